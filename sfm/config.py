@@ -1,0 +1,179 @@
+"""The one typed job configuration: dataclasses filled from TOML plus ``section.key=value`` overrides.
+
+Every run writes its resolved config (``JobConfig.to_dict()``) next to its outputs.
+The defaults are the embedded demo: tiny model, CPU, a short run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sfm.errors import SFMError
+
+DEFAULT_TOML = Path(__file__).with_name("default.toml")
+
+
+@dataclass
+class IngestConfig:
+    iline_byte: int = 189
+    xline_byte: int = 193
+    chunk: int = 64  # brick edge in voxels (clipped to the survey's shape)
+
+
+@dataclass
+class DataConfig:
+    crop: tuple[int, int, int] = (32, 32, 32)  # (inline, crossline, sample) voxels
+    batch_size: int = 8  # per rank
+    min_live_fraction: float = 0.5
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    mask_ratio: float = 0.75
+    patch: tuple[int, int, int] | None = None  # None: the preset's
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 200
+    lr: float = 1.5e-3
+    min_lr: float = 1e-5
+    warmup_steps: int = 20
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    mixed_precision: str = "auto"  # auto: bf16 on CUDA, no on CPU
+    grad_checkpointing: bool = False
+    compile: bool = False
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    threads_per_process: int = 0  # 0: torch's default
+    init_from: str = ""  # URL of a registered/exported model to continue pretraining from
+
+
+@dataclass
+class DistConfig:
+    nodes: int = 1
+    procs_per_node: int = 1
+    backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+    timeout_s: int = 300
+
+
+@dataclass
+class EvalConfig:
+    crops: int = 16
+    batch_size: int = 8
+    seed: int = 1234
+
+
+@dataclass
+class RegistryConfig:
+    model_name: str = "sfm-mae"
+    margin: float = 0.0
+
+
+@dataclass
+class JobConfig:
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None = None) -> "JobConfig":
+        cfg = cls()
+        for section, values in (data or {}).items():
+            if not hasattr(cfg, section):
+                raise SFMError(f"unknown config section [{section}]; valid: {', '.join(_section_names())}")
+            for key, value in dict(values).items():
+                cfg.set(f"{section}.{key}", value)
+        return cfg
+
+    @classmethod
+    def from_toml(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "JobConfig":
+        path = Path(path) if path else DEFAULT_TOML
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError as err:
+            raise SFMError(f"config file {path} does not exist; pass an existing TOML file") from err
+        except tomllib.TOMLDecodeError as err:
+            raise SFMError(f"config file {path} is not valid TOML ({err}); fix the syntax") from err
+        cfg = cls.from_dict(data)
+        for item in overrides or []:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise SFMError(f"override '{item}' must look like section.key=value")
+            cfg.set(key.strip(), _parse_literal(value.strip()))
+        return cfg
+
+    def set(self, dotted: str, value: Any) -> None:
+        section_name, _, key = dotted.partition(".")
+        section = getattr(self, section_name, None)
+        if section is None or not dataclasses.is_dataclass(section):
+            raise SFMError(f"unknown config key '{dotted}'; sections are {', '.join(_section_names())}")
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        if key not in fields:
+            raise SFMError(f"unknown config key '{dotted}'; valid keys in [{section_name}]: {', '.join(fields)}")
+        setattr(section, key, _coerce(dotted, getattr(section, key), fields[key], value))
+
+    # ---- output -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _section_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(JobConfig)]
+
+
+def _parse_literal(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        return text
+
+
+def _coerce(dotted: str, current: Any, fld: dataclasses.Field, value: Any) -> Any:
+    """Convert ``value`` to the field's type, with a one-line error naming the key on failure."""
+    type_text = str(fld.type)
+    try:
+        if type_text.startswith("tuple"):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                n = 3 if "int, int, int" in type_text else len(current or ())
+                value = [value] * n
+            if value is None:
+                return None
+            elem = float if "float" in type_text else int
+            return tuple(elem(v) for v in value)
+        if isinstance(current, bool):
+            if isinstance(value, str):
+                return value.lower() in ("1", "true", "yes")
+            return bool(value)
+        if isinstance(current, int):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError("not an integer")
+            return int(value)
+        if isinstance(current, float):
+            return float(value)
+        if isinstance(current, str):
+            return str(value)
+    except (TypeError, ValueError) as err:
+        raise SFMError(f"config key '{dotted}' got {value!r}: {err}; expected {type_text}") from err
+    return value

@@ -1,0 +1,387 @@
+"""3D ViT Masked AutoEncoder for seismic volumes (He et al., 2021, "Masked Autoencoders Are
+Scalable Vision Learners"), shaped after facebookresearch/mae ``models_mae.py``.
+
+A volume ``[N, C, D, H, W]`` (inline, crossline, sample) is cut into non-overlapping 3D patches,
+75% of them are dropped, the encoder sees the rest plus a cls token, and a light decoder
+reconstructs the dropped patches' voxels. The loss is MSE on the masked patches only.
+
+Plain PyTorch: no process groups. Data parallelism, activation checkpointing policy, compile and
+context parallelism are applied from outside; ``Attention.attn_fn`` is the seam a context-parallel
+wrapper replaces.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+Int3 = tuple[int, int, int]
+
+
+@dataclass
+class MAEConfig:
+    """Architecture of a :class:`MaskedAutoencoder3D`. Defaults are the ``base`` preset at 128^3."""
+
+    crop: Int3 = (128, 128, 128)  # D, H, W voxels = inline, crossline, sample
+    patch: Int3 = (16, 16, 16)  # voxels per patch along each axis
+    in_chans: int = 1
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    decoder_embed_dim: int = 512
+    decoder_depth: int = 8
+    decoder_num_heads: int = 16
+    mlp_ratio: float = 4.0
+    mask_ratio: float = 0.75
+    norm_pix_loss: bool = True
+
+    def __post_init__(self):
+        self.crop = _int3("crop", self.crop)
+        self.patch = _int3("patch", self.patch)
+        for c, p, axis in zip(self.crop, self.patch, "DHW"):
+            if c % p:
+                raise ValueError(
+                    f"MAEConfig: crop {self.crop} is not divisible by patch {self.patch} along "
+                    f"axis {axis} ({c} % {p} = {c % p}); choose a crop that is a multiple of the patch"
+                )
+        for name in ("in_chans", "embed_dim", "depth", "num_heads",
+                     "decoder_embed_dim", "decoder_depth", "decoder_num_heads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"MAEConfig: {name} must be a positive int, got {v!r}")
+        for dim, heads in (("embed_dim", "num_heads"), ("decoder_embed_dim", "decoder_num_heads")):
+            if getattr(self, dim) % getattr(self, heads):
+                raise ValueError(
+                    f"MAEConfig: {dim}={getattr(self, dim)} is not divisible by "
+                    f"{heads}={getattr(self, heads)}; pick a head count that divides the width"
+                )
+        if not 0.0 <= self.mask_ratio < 1.0:
+            raise ValueError(f"MAEConfig: mask_ratio must be in [0, 1), got {self.mask_ratio}")
+        if self.mlp_ratio <= 0:
+            raise ValueError(f"MAEConfig: mlp_ratio must be > 0, got {self.mlp_ratio}")
+
+    @property
+    def grid(self) -> Int3:
+        """Patches per axis for ``crop``."""
+        return tuple(c // p for c, p in zip(self.crop, self.patch))
+
+    @property
+    def num_patches(self) -> int:
+        return math.prod(self.grid)
+
+    def to_dict(self) -> dict:
+        """JSON-able dict (tuples become lists)."""
+        d = asdict(self)
+        d["crop"], d["patch"] = list(self.crop), list(self.patch)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MAEConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"MAEConfig: unknown keys {sorted(unknown)}; valid keys are {sorted(known)}")
+        return cls(**d)  # __post_init__ turns lists back into tuples
+
+
+def _int3(name: str, v) -> Int3:
+    try:
+        t = tuple(int(x) for x in v)
+    except TypeError:
+        raise ValueError(f"MAEConfig: {name} must be 3 ints (D, H, W), got {v!r}") from None
+    if len(t) != 3 or any(x < 1 for x in t):
+        raise ValueError(f"MAEConfig: {name} must be 3 positive ints (D, H, W), got {v!r}")
+    return t
+
+
+# --------------------------------------------------------------------------------------------
+# Fixed 3D sin-cos positional embedding
+# --------------------------------------------------------------------------------------------
+
+
+def _sincos_1d(dim: int, pos: torch.Tensor) -> torch.Tensor:
+    """pos: [M] -> [M, dim] (dim even): half sin, half cos, as in MAE's get_1d_sincos."""
+    omega = torch.arange(dim // 2, dtype=torch.float64) / (dim / 2.0)
+    omega = 1.0 / 10000**omega
+    out = pos.double()[:, None] * omega[None, :]
+    return torch.cat([torch.sin(out), torch.cos(out)], dim=1)
+
+
+def sincos_pos_embed_3d(embed_dim: int, grid: tuple[int, int, int]) -> torch.Tensor:
+    """Fixed sin-cos embedding of a 3D patch grid -> [gd*gh*gw, embed_dim] float32.
+
+    Each axis gets the same even share of the channels (D first, then H, then W); channels left
+    over when embed_dim isn't divisible by 6 are zero. Rows are in patchify order (D-major, W
+    fastest). The embedding is a function of the absolute integer grid position only, so a
+    sub-grid's rows equal the matching rows of any larger grid: models run on any crop size.
+    """
+    gd, gh, gw = grid
+    share = (embed_dim // 6) * 2
+    d, h, w = torch.meshgrid(torch.arange(gd), torch.arange(gh), torch.arange(gw), indexing="ij")
+    parts = [_sincos_1d(share, a.reshape(-1)) for a in (d, h, w)]
+    pad = embed_dim - 3 * share
+    if pad:
+        parts.append(torch.zeros(gd * gh * gw, pad, dtype=torch.float64))
+    return torch.cat(parts, dim=1).float()
+
+
+# --------------------------------------------------------------------------------------------
+# Transformer
+# --------------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention. ``attn_fn(q, k, v)`` on [N, heads, L, head_dim] is the one call a
+    context-parallel (ring) wrapper replaces from outside; it defaults to PyTorch's fused SDPA."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+        self.attn_fn = F.scaled_dot_product_attention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        N, L, C = x.shape
+        qkv = self.qkv(x).reshape(N, L, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # each [N, heads, L, head_dim]
+        x = self.attn_fn(q, k, v)
+        return self.proj(x.transpose(1, 2).reshape(N, L, C))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm ViT block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, num_heads)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+# --------------------------------------------------------------------------------------------
+# MAE
+# --------------------------------------------------------------------------------------------
+
+
+class MaskedAutoencoder3D(nn.Module):
+    """Masked Autoencoder with a 3D ViT backbone.
+
+    Shapes: N batch, C channels, L patches (gd*gh*gw), K kept patches, E encoder width,
+    P = pd*ph*pw*C voxels per patch.
+    """
+
+    def __init__(self, cfg: MAEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.grad_checkpointing = False  # set True to recompute block activations in backward
+        patch_dim = math.prod(cfg.patch) * cfg.in_chans
+
+        # encoder
+        self.patch_embed = nn.Conv3d(cfg.in_chans, cfg.embed_dim, kernel_size=cfg.patch, stride=cfg.patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.embed_dim))
+        self.blocks = nn.ModuleList(
+            Block(cfg.embed_dim, cfg.num_heads, cfg.mlp_ratio) for _ in range(cfg.depth)
+        )
+        self.norm = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+
+        # decoder
+        self.decoder_embed = nn.Linear(cfg.embed_dim, cfg.decoder_embed_dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, cfg.decoder_embed_dim))
+        self.decoder_blocks = nn.ModuleList(
+            Block(cfg.decoder_embed_dim, cfg.decoder_num_heads, cfg.mlp_ratio)
+            for _ in range(cfg.decoder_depth)
+        )
+        self.decoder_norm = nn.LayerNorm(cfg.decoder_embed_dim, eps=1e-6)
+        self.decoder_pred = nn.Linear(cfg.decoder_embed_dim, patch_dim)
+
+        # Fixed sin-cos tables per (grid, dim, device, dtype). A plain dict, not a buffer: they are
+        # analytic, so checkpoints stay independent of crop size.
+        self._pos_cache: dict[tuple, torch.Tensor] = {}
+        self.initialize_weights()
+
+    def initialize_weights(self):
+        # patch_embed like nn.Linear: xavier on the flattened [E, C*pd*ph*pw] weight
+        w = self.patch_embed.weight.data
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.normal_(self.cls_token, std=0.02)
+        nn.init.normal_(self.mask_token, std=0.02)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module):
+        if isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
+                nn.init.constant_(m.bias, 0)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.constant_(m.bias, 0)
+            nn.init.constant_(m.weight, 1.0)
+
+    # ---- geometry ---------------------------------------------------------------------------
+
+    def grid_shape(self, imgs: torch.Tensor) -> Int3:
+        """Patch grid (gd, gh, gw) of imgs [N, C, D, H, W]; any size divisible by the patch works."""
+        if imgs.ndim != 5 or imgs.shape[1] != self.cfg.in_chans:
+            raise ValueError(
+                f"expected volumes [N, {self.cfg.in_chans}, D, H, W], got shape {tuple(imgs.shape)}"
+            )
+        spatial, patch = tuple(imgs.shape[2:]), self.cfg.patch
+        if any(s % p for s, p in zip(spatial, patch)):
+            raise ValueError(f"volume size {spatial} is not divisible by patch {patch}; crop or pad it")
+        return tuple(s // p for s, p in zip(spatial, patch))
+
+    def _grid_for(self, L: int, grid: Int3 | None) -> Int3:
+        if grid is not None:
+            if math.prod(grid) != L:
+                raise ValueError(f"grid {tuple(grid)} has {math.prod(grid)} patches, tokens have {L}")
+            return tuple(grid)
+        if L == self.cfg.num_patches:
+            return self.cfg.grid
+        raise ValueError(f"{L} patches do not match cfg.crop {self.cfg.crop}; pass grid=(gd, gh, gw)")
+
+    def pos_embed(self, grid: Int3, dim: int, like: torch.Tensor) -> torch.Tensor:
+        """[1, L, dim] fixed sin-cos table for grid, on like's device and dtype (cached)."""
+        key = (tuple(grid), dim, like.device, like.dtype)
+        pe = self._pos_cache.get(key)
+        if pe is None:
+            # not an inference tensor, even if first asked for under torch.inference_mode()
+            with torch.inference_mode(False):
+                pe = sincos_pos_embed_3d(dim, grid).to(device=like.device, dtype=like.dtype)[None]
+            self._pos_cache[key] = pe
+        return pe
+
+    def patchify(self, imgs: torch.Tensor) -> torch.Tensor:
+        """imgs: [N, C, D, H, W] -> [N, L, pd*ph*pw*C], patches in D-major order, channels last."""
+        gd, gh, gw = self.grid_shape(imgs)
+        pd, ph, pw = self.cfg.patch
+        N, C = imgs.shape[:2]
+        x = imgs.reshape(N, C, gd, pd, gh, ph, gw, pw)
+        x = x.permute(0, 2, 4, 6, 3, 5, 7, 1)  # N, gd, gh, gw, pd, ph, pw, C
+        return x.reshape(N, gd * gh * gw, pd * ph * pw * C)
+
+    def unpatchify(self, x: torch.Tensor, grid: Int3 | None = None) -> torch.Tensor:
+        """x: [N, L, pd*ph*pw*C] -> [N, C, D, H, W]. grid defaults to cfg.crop's grid."""
+        gd, gh, gw = self._grid_for(x.shape[1], grid)
+        pd, ph, pw = self.cfg.patch
+        N, C = x.shape[0], self.cfg.in_chans
+        x = x.reshape(N, gd, gh, gw, pd, ph, pw, C)
+        x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)  # N, C, gd, pd, gh, ph, gw, pw
+        return x.reshape(N, C, gd * pd, gh * ph, gw * pw)
+
+    # ---- the algorithm ----------------------------------------------------------------------
+
+    def random_masking(self, x: torch.Tensor, mask_ratio: float):
+        """Per-sample random masking by argsort of uniform noise.
+
+        x: [N, L, E] -> x_kept [N, K, E] with K = max(1, int(L * (1 - mask_ratio))),
+        mask [N, L] (0 keep, 1 remove), ids_restore [N, L] (undoes the shuffle).
+        """
+        N, L, E = x.shape
+        len_keep = max(1, int(L * (1 - mask_ratio)))
+        noise = torch.rand(N, L, device=x.device)
+        ids_shuffle = torch.argsort(noise, dim=1)  # ascending: small noise is kept
+        ids_restore = torch.argsort(ids_shuffle, dim=1)
+        ids_keep = ids_shuffle[:, :len_keep]
+        x_kept = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, E))
+        mask = torch.ones(N, L, device=x.device, dtype=x.dtype)
+        mask[:, :len_keep] = 0
+        mask = torch.gather(mask, 1, ids_restore)
+        return x_kept, mask, ids_restore
+
+    def _run(self, blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+        for blk in blocks:
+            if self.grad_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
+        return x
+
+    def _embed(self, imgs: torch.Tensor):
+        """imgs -> patch tokens with position [N, L, E], grid."""
+        grid = self.grid_shape(imgs)
+        x = self.patch_embed(imgs).flatten(2).transpose(1, 2)  # [N, L, E]
+        return x + self.pos_embed(grid, x.shape[-1], x), grid
+
+    def _with_cls(self, x: torch.Tensor) -> torch.Tensor:
+        # the cls token carries no position (MAE's zero row of pos_embed)
+        return torch.cat([self.cls_token.to(x.dtype).expand(x.shape[0], -1, -1), x], dim=1)
+
+    def forward_encoder(self, imgs: torch.Tensor, mask_ratio: float):
+        """imgs [N, C, D, H, W] -> latent [N, 1+K, E], mask [N, L], ids_restore [N, L]."""
+        x, _ = self._embed(imgs)
+        x, mask, ids_restore = self.random_masking(x, mask_ratio)
+        x = self._run(self.blocks, self._with_cls(x))
+        return self.norm(x), mask, ids_restore
+
+    def forward_decoder(self, latent: torch.Tensor, ids_restore: torch.Tensor,
+                        grid: Int3 | None = None) -> torch.Tensor:
+        """latent [N, 1+K, E], ids_restore [N, L] -> pred [N, L, P] (voxels of every patch).
+
+        grid defaults to cfg.crop's grid; pass it when the input was another size.
+        """
+        N, L = ids_restore.shape
+        grid = self._grid_for(L, grid)
+        x = self.decoder_embed(latent)
+        Ed = x.shape[-1]
+        mask_tokens = self.mask_token.to(x.dtype).expand(N, L + 1 - x.shape[1], -1)
+        x_ = torch.cat([x[:, 1:], mask_tokens], dim=1)  # kept first, then masked: shuffled order
+        x_ = torch.gather(x_, 1, ids_restore.unsqueeze(-1).expand(-1, -1, Ed))  # unshuffle
+        x_ = x_ + self.pos_embed(grid, Ed, x_)
+        x = self._run(self.decoder_blocks, torch.cat([x[:, :1], x_], dim=1))
+        x = self.decoder_norm(x)[:, 1:]  # drop cls before the head
+        return self.decoder_pred(x)
+
+    def patch_targets(self, imgs: torch.Tensor) -> torch.Tensor:
+        """Reconstruction targets [N, L, P] in the loss's space: the raw patches, or with
+        norm_pix_loss each patch normalised by its own mean and variance (as in MAE)."""
+        target = self.patchify(imgs).float()
+        if self.cfg.norm_pix_loss:
+            mean = target.mean(dim=-1, keepdim=True)
+            var = target.var(dim=-1, keepdim=True)
+            target = (target - mean) / (var + 1.0e-6) ** 0.5
+        return target
+
+    def forward_loss(self, imgs: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Mean squared error over the voxels of masked patches only (mask: 0 keep, 1 remove)."""
+        target = self.patch_targets(imgs)
+        loss = ((pred.float() - target) ** 2).mean(dim=-1)  # [N, L] per-patch loss
+        mask = mask.float()
+        return (loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def forward(self, imgs: torch.Tensor, mask_ratio: float | None = None):
+        """imgs [N, C, D, H, W] -> (loss, pred [N, L, P], mask [N, L])."""
+        mask_ratio = self.cfg.mask_ratio if mask_ratio is None else mask_ratio
+        grid = self.grid_shape(imgs)
+        latent, mask, ids_restore = self.forward_encoder(imgs, mask_ratio)
+        pred = self.forward_decoder(latent, ids_restore, grid)
+        loss = self.forward_loss(imgs, pred, mask)
+        return loss, pred, mask
+
+    def encode(self, imgs: torch.Tensor) -> torch.Tensor:
+        """Features for downstream probes: all patches, no masking -> [N, L, E] after the final
+        norm (cls dropped). Reshape to [N, gd, gh, gw, E] with grid_shape(imgs)."""
+        x, _ = self._embed(imgs)
+        x = self._run(self.blocks, self._with_cls(x))
+        return self.norm(x)[:, 1:]

@@ -1,0 +1,36 @@
+"""Named model sizes. ``mae_config("base", crop=(64, 64, 64))`` -> MAEConfig; ``build_model(cfg)``.
+
+Encoder widths follow ViT-S/B/L/H; the decoder is MAE's light 512-wide, 8-block one (smaller for
+``small``). ``tiny`` exists for CPU tests: it trains in seconds and still learns.
+"""
+
+from __future__ import annotations
+
+from .mae import MAEConfig, MaskedAutoencoder3D
+
+_CROP = (128, 128, 128)
+_PATCH = (16, 16, 16)
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(crop=(32, 32, 32), patch=(8, 8, 8), embed_dim=96, depth=2, num_heads=4,
+                 decoder_embed_dim=64, decoder_depth=1, decoder_num_heads=4),
+    "small": dict(crop=_CROP, patch=_PATCH, embed_dim=384, depth=12, num_heads=6,
+                  decoder_embed_dim=256, decoder_depth=4, decoder_num_heads=8),
+    "base": dict(crop=_CROP, patch=_PATCH, embed_dim=768, depth=12, num_heads=12,
+                 decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
+    "large": dict(crop=_CROP, patch=_PATCH, embed_dim=1024, depth=24, num_heads=16,
+                  decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
+    "huge": dict(crop=_CROP, patch=_PATCH, embed_dim=1280, depth=32, num_heads=16,
+                 decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
+}
+
+
+def mae_config(name: str, **overrides) -> MAEConfig:
+    """The preset's MAEConfig with any field overridden (e.g. crop=(64, 64, 64), mask_ratio=0.9)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid presets are {', '.join(PRESETS)}")
+    return MAEConfig(**{**PRESETS[name], **overrides})
+
+
+def build_model(cfg: MAEConfig) -> MaskedAutoencoder3D:
+    return MaskedAutoencoder3D(cfg)

@@ -1,0 +1,240 @@
+"""One storage abstraction for every URL the pipeline touches: a local path or ``s3://bucket/prefix``.
+
+Everything above this module speaks URLs; only this module knows about fsspec, s3fs and zarr
+stores. S3 settings come from the environment so the same code runs on a laptop, in CI against a
+loopback S3 server, and on a cluster:
+
+- endpoint: ``SFM_S3_ENDPOINT_URL``, else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, else
+  ``METAFLOW_S3_ENDPOINT_URL`` (so one setting serves both the data root and Metaflow's datastore);
+- credentials: the usual boto chain (env, profile, instance role); never logged here.
+
+Non-AWS servers break botocore's default checksum handling on ranged reads, so checksums are
+computed and validated only when the operation requires them.
+
+Atomicity: :func:`write_bytes` publishes an object in one step (a single S3 PUT, or a local write to
+a temporary name followed by ``os.replace``), so a reader sees either nothing or the whole object.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from sfm.errors import SFMError
+
+_CHECKSUM_ENV = {
+    "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
+    "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required",
+}
+
+
+def is_s3(url: str) -> bool:
+    return str(url).startswith("s3://")
+
+
+def s3_endpoint_url() -> str | None:
+    for name in ("SFM_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "METAFLOW_S3_ENDPOINT_URL"):
+        value = os.environ.get(name)
+        if value:
+            return value
+    return None
+
+
+def s3_storage_options() -> dict[str, Any]:
+    """Keyword arguments for ``s3fs.S3FileSystem`` (and zarr's FsspecStore) from the environment."""
+    for key, value in _CHECKSUM_ENV.items():
+        os.environ.setdefault(key, value)
+    options: dict[str, Any] = {
+        "use_listings_cache": False,
+        "config_kwargs": {
+            "request_checksum_calculation": "when_required",
+            "response_checksum_validation": "when_required",
+            "retries": {"max_attempts": 10, "mode": "adaptive"},
+        },
+    }
+    endpoint = s3_endpoint_url()
+    if endpoint:
+        options["client_kwargs"] = {"endpoint_url": endpoint}
+    return options
+
+
+def normalize(url: str | os.PathLike) -> str:
+    """A canonical URL: s3 URLs unchanged (minus trailing slash), local paths made absolute."""
+    url = str(url)
+    if is_s3(url):
+        return url.rstrip("/")
+    if url.startswith("file://"):
+        url = url[len("file://") :]
+    return str(Path(url).expanduser().absolute())
+
+
+def join(url: str, *parts: str) -> str:
+    url = str(url).rstrip("/")
+    for part in parts:
+        part = str(part).strip("/")
+        if part:
+            url = f"{url}/{part}"
+    return url
+
+
+def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem for ``url`` and the path inside it."""
+    url = str(url)
+    if is_s3(url):
+        fs = fsspec.filesystem("s3", **s3_storage_options())
+        return fs, url[len("s3://") :].rstrip("/")
+    return fsspec.filesystem("file"), normalize(url)
+
+
+def _wrap(url: str, err: Exception) -> SFMError:
+    return SFMError(f"cannot access {url}: {type(err).__name__}: {err}. Check the URL, the S3 endpoint and credentials.")
+
+
+def exists(url: str) -> bool:
+    fs, path = filesystem(url)
+    try:
+        return fs.exists(path)
+    except (OSError, PermissionError) as err:
+        raise _wrap(url, err) from err
+
+
+def read_bytes(url: str) -> bytes:
+    fs, path = filesystem(url)
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError as err:
+        raise SFMError(f"{url} does not exist. Check the path or URL.") from err
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """Publish ``data`` at ``url`` in one atomic step."""
+    fs, path = filesystem(url)
+    if is_s3(url):
+        fs.pipe_file(path, data)
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_bytes_if_absent(url: str, data: bytes) -> bool:
+    """Create ``url`` with ``data`` only if nothing is there yet; True if this call created it.
+
+    Used to allocate names (registry versions) safely when several writers race. Local files use
+    ``O_EXCL`` on a link; S3 uses a conditional PUT (``If-None-Match: *``).
+    """
+    fs, path = filesystem(url)
+    if is_s3(url):
+        import botocore.exceptions
+
+        bucket, key = path.split("/", 1)
+        client = _boto_client()
+        try:
+            client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+        except botocore.exceptions.ClientError as err:
+            code = err.response.get("Error", {}).get("Code", "")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+                return False
+            raise
+        return True
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    try:
+        os.link(tmp, path)  # atomic, fails if path exists
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+    return True
+
+
+def _boto_client():
+    import boto3
+    from botocore.config import Config
+
+    for key, value in _CHECKSUM_ENV.items():
+        os.environ.setdefault(key, value)
+    return boto3.client(
+        "s3",
+        endpoint_url=s3_endpoint_url(),
+        config=Config(
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            retries={"max_attempts": 10, "mode": "adaptive"},
+        ),
+    )
+
+
+def list_dir(url: str) -> list[str]:
+    """Names (not URLs) directly under ``url``; empty if it does not exist."""
+    fs, path = filesystem(url)
+    try:
+        entries = fs.ls(path, detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != path})
+
+
+def upload(local_path: str | os.PathLike, url: str) -> None:
+    """Copy a local file or directory tree to ``url``. Files appear whole (see :func:`write_bytes`)."""
+    local_path = Path(local_path)
+    if local_path.is_dir():
+        for child in sorted(local_path.rglob("*")):
+            if child.is_file():
+                upload(child, join(url, child.relative_to(local_path).as_posix()))
+        return
+    fs, path = filesystem(url)
+    if is_s3(url):
+        fs.put_file(str(local_path), path)
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    shutil.copyfile(local_path, tmp)
+    os.replace(tmp, path)
+
+
+def download(url: str, local_path: str | os.PathLike) -> None:
+    fs, path = filesystem(url)
+    try:
+        fs.get(path, str(local_path), recursive=fs.isdir(path))
+    except FileNotFoundError as err:
+        raise SFMError(f"{url} does not exist. Check the path or URL.") from err
+
+
+def remove(url: str) -> None:
+    fs, path = filesystem(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def local_copy(url: str, workdir: str | os.PathLike) -> str:
+    """A local file path holding the object at ``url`` (the path itself when it is local)."""
+    if not is_s3(url):
+        path = normalize(url)
+        if not os.path.exists(path):
+            raise SFMError(f"{url} does not exist. Check the path.")
+        return path
+    target = Path(tempfile.mkdtemp(dir=workdir)) / url.rsplit("/", 1)[-1]
+    download(url, target)
+    return str(target)
+
+
+def zarr_store(url: str, read_only: bool = False):
+    """A zarr v3 store for ``url`` (LocalStore or FsspecStore over s3fs with async I/O)."""
+    import zarr.storage
+
+    if is_s3(url):
+        return zarr.storage.FsspecStore.from_url(url, storage_options=s3_storage_options(), read_only=read_only)
+    return zarr.storage.LocalStore(normalize(url), read_only=read_only)
