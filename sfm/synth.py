@@ -431,7 +431,7 @@ def synth_survey(
     The SEG-Y file and the labels (``<out without .sgy/.segy>.faults.npy``, uint8 [IL, XL, NS],
     same orientation as the amplitude whatever the trace sorting) are each written to a temporary
     name in the target folder and renamed into place, so readers never see half a file. The same
-    arguments always give byte-identical files.
+    arguments always give byte-identical files, whatever ``out`` is called.
 
     Returns:
         {"segy", "faults", "shape", "format", "endian", "iline_byte", "xline_byte", "sorting", "seed"}
@@ -462,7 +462,7 @@ def synth_survey(
             iline_byte=iline_byte,
             xline_byte=xline_byte,
             sorting=sorting,
-            text=[f"SEED {seed}  FAULT LABELS {faults_path.name}"],
+            text=[f"SEED {seed}  FAULT LABELS: <THIS NAME WITHOUT .SGY>.FAULTS.NPY BESIDE IT"],
         )
 
     seconds = time.perf_counter() - started

@@ -1,0 +1,123 @@
+"""Training checkpoints: save and load everything a resumed run needs, and nothing else.
+
+Layout under a checkpoint root (local or S3)::
+
+    step-000050/model.safetensors    weights (never pickled)
+    step-000050/optimizer.pt         optimiser + scheduler state (tensors only; loaded weights_only=True)
+    step-000050/rng-rank0.pt         each rank's RNG states
+    step-000050/state.json           step, data position, history; written LAST: marks it complete
+
+A checkpoint without ``state.json`` is incomplete and ignored. Only the newest ``keep`` complete
+checkpoints are kept. If the newest cannot be read, the one before it is used, with a warning.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import random
+import re
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from sfm import storage
+
+log = logging.getLogger(__name__)
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+def step_dir(root: str, step: int) -> str:
+    return storage.join(root, f"step-{step:06d}")
+
+
+def complete_steps(root: str) -> list[int]:
+    """Steps of the complete checkpoints under ``root``, oldest first."""
+    steps = []
+    for name in storage.list_dir(root):
+        match = _STEP_DIR.match(name)
+        if match and storage.exists(storage.join(root, name, "state.json")):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tensor_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _load_tensors(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def save_rank_rng(root: str, step: int, rank: int) -> None:
+    """Every rank saves its own RNG state before rank 0 marks the checkpoint complete."""
+    state = rng_state()
+    name, keys, pos, has_gauss, cached = state["numpy"]  # ndarray -> tensor: loadable with weights_only
+    state["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]
+    state["python"] = list(state["python"])
+    storage.write_bytes(storage.join(step_dir(root, step), f"rng-rank{rank}.pt"), _tensor_bytes(state))
+
+
+def save(root: str, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict, scheduler_state: dict,
+         meta: dict[str, Any], keep: int = 2) -> str:
+    """Write a checkpoint (rank 0, after every rank called :func:`save_rank_rng`); returns its URL."""
+    url = step_dir(root, step)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
+    storage.write_bytes(storage.join(url, "model.safetensors"), save_safetensors(tensors))
+    storage.write_bytes(storage.join(url, "optimizer.pt"),
+                        _tensor_bytes({"optimizer": optimizer_state, "scheduler": scheduler_state}))
+    storage.write_bytes(storage.join(url, "state.json"), json.dumps({"step": step, **meta}).encode())
+    for old in complete_steps(root)[:-keep] if keep > 0 else []:
+        storage.remove(step_dir(root, old))
+    return url
+
+
+def load(url: str, rank: int) -> dict[str, Any]:
+    """Read one checkpoint completely (raises if any part is unreadable)."""
+    state = json.loads(storage.read_bytes(storage.join(url, "state.json")))
+    model = load_safetensors(storage.read_bytes(storage.join(url, "model.safetensors")))
+    opt = _load_tensors(storage.read_bytes(storage.join(url, "optimizer.pt")))
+    rng_url = storage.join(url, f"rng-rank{rank}.pt")
+    rng = None
+    if storage.exists(rng_url):
+        raw = _load_tensors(storage.read_bytes(rng_url))
+        name, keys, pos, has_gauss, cached = raw["numpy"]
+        raw["numpy"] = (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
+        raw["python"] = (raw["python"][0], tuple(raw["python"][1]), raw["python"][2])
+        rng = raw
+    return {"state": state, "model": model, "optimizer": opt["optimizer"], "scheduler": opt["scheduler"], "rng": rng}
+
+
+def load_latest(root: str, rank: int, warn: Callable[[str], None] = log.warning) -> dict[str, Any] | None:
+    """The newest readable complete checkpoint under ``root``; None if there is none."""
+    for step in reversed(complete_steps(root)):
+        url = step_dir(root, step)
+        try:
+            ckpt = load(url, rank)
+        except Exception as err:  # corrupt or partially deleted: fall back to the one before
+            warn(f"checkpoint {url} is unreadable ({type(err).__name__}: {err}); falling back to an earlier one")
+            continue
+        ckpt["url"] = url
+        return ckpt
+    return None
