@@ -238,6 +238,11 @@ def write_segy(
     trace sequence number (byte 1), CDP bin number (21), offset 0 (37), sample count and interval.
     The integer formats 3 and 8 are scaled so the largest absolute amplitude is 0.9 of the type's
     range; the textual header (EBCDIC) states the factor. ``text`` adds lines to that header.
+
+    Plain ``segyio.open(path, iline=B, xline=B)`` reads the result when B starts a 4-byte field
+    segyio knows (1-25, 41-65 and 73-85 in steps of 4, 189, 193, 197, 205, 219, 225, 233, 237).
+    Other positions are written just the same, but segyio refuses them (``KeyError``) or, where
+    it knows a 2-byte field, reads only 2 bytes; readers must then take the bytes themselves.
     """
     amplitude = np.asarray(amplitude)
     if amplitude.ndim != 3 or min(amplitude.shape) < 1:
@@ -245,14 +250,15 @@ def write_segy(
     check_layout(sample_format, endian, iline_byte, xline_byte, sorting)
     ni, nx, ns = amplitude.shape
     if ns > 32767:
-        raise SFMError(f"NS {ns} does not fit the 2-byte SEG-Y sample count; use at most 32767 samples per trace")
+        raise SFMError(f"NS {ns} does not fit the 2-byte SEG-Y sample count; use --shape with NS <= 32767")
 
     import segyio
 
     traces, scale = encode_samples(amplitude, sample_format)
     if sorting == "crossline":
         traces = traces.transpose(1, 0, 2)
-    traces = np.array(traces.reshape(-1, ns), order="C", copy=True)  # segyio converts IBM in place
+    # Our own copy: for format 1 segyio converts each trace to IBM and back in place, rounding it.
+    traces = np.array(traces.reshape(-1, ns), order="C", copy=True)
 
     inlines = first_inline + np.arange(ni)
     crosslines = first_crossline + np.arange(nx)
@@ -384,7 +390,9 @@ def write_trace_headers(path, fields: dict, *, ns: int, sample_format: int, endi
 def check_layout(sample_format: int, endian: str, iline_byte: int, xline_byte: int, sorting: str) -> None:
     """Raise :class:`SFMError` naming the option and the fix if the SEG-Y layout is not writable."""
     if sample_format not in SAMPLE_FORMATS:
-        raise SFMError(f"--format {sample_format} is not supported; use 1 (IBM float), 3 (int16), 5 (IEEE float) or 8 (int8)")
+        raise SFMError(
+            f"--format {sample_format} is not supported; use 1 (IBM float), 3 (int16), 5 (IEEE float) or 8 (int8)"
+        )
     if endian not in ENDIANS:
         raise SFMError(f"--endian {endian!r} is not a byte order; use 'big' or 'little'")
     if sorting not in SORTINGS:
@@ -437,9 +445,12 @@ def synth_survey(
         {"segy", "faults", "shape", "format", "endian", "iline_byte", "xline_byte", "sorting", "seed"}
     """
     shape = tuple(int(n) for n in shape)
-    if len(shape) != 3 or min(shape) < 1 or shape[2] < 8:
+    if len(shape) != 3 or min(shape) < 1 or not 8 <= shape[2] <= 32767:
         dims = " ".join(str(n) for n in shape)
-        raise SFMError(f"--shape {dims} is not a survey: give IL XL NS with IL, XL >= 1 and NS >= 8, e.g. --shape 64 64 128")
+        raise SFMError(
+            f"--shape {dims} is not a survey: give IL XL NS with IL, XL >= 1 and 8 <= NS <= 32767, "
+            "e.g. --shape 64 64 128"
+        )
     check_layout(sample_format, endian, iline_byte, xline_byte, sorting)
     if "://" in str(out):
         raise SFMError(f"output {out} is a URL; sfm synth writes a local file, copy it to the bucket afterwards")
@@ -450,12 +461,12 @@ def synth_survey(
     segy_path.parent.mkdir(parents=True, exist_ok=True)
 
     amplitude, labels = synthesize_volume(shape, seed)
-    with _replace_atomically(faults_path) as tmp:
-        with open(tmp, "wb") as fh:
+    # Both files appear together or not at all: the renames happen after both are written.
+    with _replace_atomically(faults_path) as faults_tmp, _replace_atomically(segy_path) as segy_tmp:
+        with open(faults_tmp, "wb") as fh:
             np.save(fh, labels)
-    with _replace_atomically(segy_path) as tmp:
         write_segy(
-            tmp,
+            segy_tmp,
             amplitude,
             sample_format=sample_format,
             endian=endian,
@@ -467,7 +478,10 @@ def synth_survey(
 
     seconds = time.perf_counter() - started
     size_mb = segy_path.stat().st_size / 1e6
-    log.info("wrote %s (%d x %d x %d, %.1f MB) in %.2f s, %.1f MB/s", segy_path, *shape, size_mb, seconds, size_mb / seconds)
+    log.info(
+        "wrote %s (%d x %d x %d, %.1f MB) and its fault labels in %.2f s, %.1f MB/s",
+        segy_path, *shape, size_mb, seconds, size_mb / seconds,
+    )
     return {
         "segy": str(segy_path),
         "faults": str(faults_path),

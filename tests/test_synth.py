@@ -35,7 +35,8 @@ def synth(tmp_path: Path, capsys, *args: str, name: str = "survey.sgy") -> dict:
 
 def read_cube(result: dict) -> np.ndarray:
     """Amplitude [IL, XL, NS] through plain segyio, opened with the layout the result reports."""
-    with segyio.open(result["segy"], iline=result["iline_byte"], xline=result["xline_byte"], endian=result["endian"]) as f:
+    layout = dict(iline=result["iline_byte"], xline=result["xline_byte"], endian=result["endian"])
+    with segyio.open(result["segy"], **layout) as f:
         cube = segyio.tools.cube(f)
         return cube.transpose(1, 0, 2) if f.sorting == segyio.TraceSortingFormat.CROSSLINE_SORTING else cube
 
@@ -132,7 +133,8 @@ def test_custom_byte_locations_open_in_segyio(tmp_path, capsys, expected, iline_
 def test_byte_locations_segyio_has_no_name_for(tmp_path, capsys, sorting):
     # Bytes 10 and 206 start no segyio field: check the raw header, in both byte orders.
     for endian in ("big", "little"):
-        result = synth(tmp_path, capsys, "--iline-byte", "10", "--xline-byte", "206", "--endian", endian, "--sorting", sorting)
+        args = ["--iline-byte", "10", "--xline-byte", "206", "--endian", endian, "--sorting", sorting]
+        result = synth(tmp_path, capsys, *args)
         kw = dict(ns=SHAPE[2], sample_format=5, endian=endian)
         il, xl = raw_header_ints(result["segy"], 10, **kw), raw_header_ints(result["segy"], 206, **kw)
         grid_il, grid_xl = np.meshgrid(100 + np.arange(SHAPE[0]), 300 + np.arange(SHAPE[1]), indexing="ij")
@@ -187,8 +189,9 @@ def test_trace_headers_and_cdp_coordinates(tmp_path, capsys):
     across = np.hypot(np.diff(x, axis=0), np.diff(y, axis=0))  # next inline
     np.testing.assert_allclose(along_inline, 25.0, atol=0.02)
     np.testing.assert_allclose(across, 25.0, atol=0.02)
-    dot = np.diff(x, axis=1)[:-1, :] * np.diff(x, axis=0)[:, :-1] + np.diff(y, axis=1)[:-1, :] * np.diff(y, axis=0)[:, :-1]
-    np.testing.assert_allclose(dot, 0.0, atol=1.0)  # a square grid
+    dx_inline, dy_inline = np.diff(x, axis=1)[:-1, :], np.diff(y, axis=1)[:-1, :]
+    dx_across, dy_across = np.diff(x, axis=0)[:, :-1], np.diff(y, axis=0)[:, :-1]
+    np.testing.assert_allclose(dx_inline * dx_across + dy_inline * dy_across, 0.0, atol=1.0)  # a square grid
     azimuth = np.degrees(np.arctan2(y[0, -1] - y[0, 0], x[0, -1] - x[0, 0]))
     assert 1.0 < abs(azimuth) < 89.0  # rotated, not axis-aligned
 
@@ -199,12 +202,16 @@ def test_trace_headers_and_cdp_coordinates(tmp_path, capsys):
 def test_same_seed_same_bytes_through_subprocess(tmp_path):
     def run(name: str, seed: int) -> dict:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, "-m", "sfm.cli", "synth", str(tmp_path / name), "--shape", "5", "4", "32", "--seed", str(seed)]
+        cmd = [sys.executable, "-m", "sfm.cli", "synth", str(tmp_path / name), "--shape", "5", "4", "32"]
+        cmd += ["--seed", str(seed)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
         return json.loads(proc.stdout)
 
     a, b, c = run("a.sgy", 7), run("b.sgy", 7), run("c.sgy", 8)
-    assert a["seed"] == 7 and a["shape"] == [5, 4, 32]
+    assert a == {
+        "segy": str(tmp_path / "a.sgy"), "faults": str(tmp_path / "a.faults.npy"), "shape": [5, 4, 32],
+        "format": 5, "endian": "big", "iline_byte": 189, "xline_byte": 193, "sorting": "inline", "seed": 7,
+    }
     assert Path(a["segy"]).read_bytes() == Path(b["segy"]).read_bytes()
     assert Path(a["faults"]).read_bytes() == Path(b["faults"]).read_bytes()
     assert Path(a["segy"]).read_bytes() != Path(c["segy"]).read_bytes()
@@ -222,6 +229,20 @@ def test_fault_labels_beside_the_segy(tmp_path, capsys, expected):
     np.testing.assert_array_equal(labels, expected[1])
 
     assert synth_survey(tmp_path / "other.segy", shape=SHAPE)["faults"] == str(tmp_path / "other.faults.npy")
+    assert synth_survey(tmp_path / "noext", shape=SHAPE)["faults"] == str(tmp_path / "noext.faults.npy")
+
+
+def test_failed_write_leaves_no_partial_survey(tmp_path, monkeypatch):
+    import sfm.synth
+
+    def broken_write(path, *args, **kwargs):
+        Path(path).write_bytes(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(sfm.synth, "write_segy", broken_write)
+    with pytest.raises(OSError):
+        synth_survey(tmp_path / "survey.sgy", shape=SHAPE)
+    assert os.listdir(tmp_path) == []
 
 
 def test_faults_break_lateral_continuity():
@@ -257,7 +278,7 @@ def test_data_looks_seismic():
     assert not np.array_equal(amplitude, synthesize_volume((16, 16, 256), 6)[0])
 
 
-def test_256_cube_is_fast():
+def test_generation_is_fast():
     import time
 
     started = time.perf_counter()
