@@ -191,12 +191,13 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
             "flops_per_sample": flops_per_sample, "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         }
         storage.write_bytes(storage.join(run_root, "summary.json"), json.dumps(summary, indent=1).encode())
-        accelerator.end_training()
-        storage.upload(tb_dir, storage.join(run_root, "tensorboard"))
         print(f"sfm train: {steps_run} steps ({start_step}->{cfg.train.max_steps}) on {world} rank(s) in "
               f"{elapsed:.1f}s, loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}, "
               f"{summary['samples_per_s'] or 0:.1f} samples/s", file=sys.stderr)
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # flushes the trackers and ends the process group
+    if main:
+        storage.upload(tb_dir, storage.join(run_root, "tensorboard"))
     return summary
 
 
