@@ -68,13 +68,17 @@ def _header_field(raw: np.ndarray, byte: int, endian: str, size: int = 4) -> np.
 
 
 def read_layout(path: str, endian: str = "auto") -> SegyLayout:
-    """Byte order, format and trace count from the binary header and the file size."""
-    name = os.path.basename(path)
-    size = os.path.getsize(path)
-    if size < TEXT_HEADER_BYTES + BINARY_HEADER_BYTES:
-        raise SFMError(f"{name} is not SEG-Y: {size} bytes is shorter than the 3600-byte file header")
+    """Byte order, format and trace count of a local SEG-Y file."""
     with open(path, "rb") as fh:
         head = fh.read(TEXT_HEADER_BYTES + BINARY_HEADER_BYTES)
+    return layout_from_header(path, head, os.path.getsize(path), endian)
+
+
+def layout_from_header(path: str, head: bytes, size: int, endian: str = "auto") -> SegyLayout:
+    """The layout from the first 3600 bytes and the file size (works for remote files too)."""
+    name = os.path.basename(str(path).rstrip("/"))
+    if size < TEXT_HEADER_BYTES + BINARY_HEADER_BYTES:
+        raise SFMError(f"{name} is not SEG-Y: {size} bytes is shorter than the 3600-byte file header")
     binary = head[TEXT_HEADER_BYTES:]
 
     def field16(offset: int, order: str) -> int:  # offset: 1-based position within the file
@@ -109,7 +113,7 @@ def read_layout(path: str, endian: str = "auto") -> SegyLayout:
             f"{name} is truncated or inconsistent: {size - data_offset} trace bytes are not a whole number of "
             f"{trace_bytes}-byte traces ({samples} samples, format {fmt}); re-export or re-download the file"
         )
-    return SegyLayout(path, order, fmt, samples, max(0, interval), n_traces, data_offset)
+    return SegyLayout(str(path), order, fmt, samples, max(0, interval), n_traces, data_offset)
 
 
 def trace_headers(layout: SegyLayout) -> np.ndarray:

@@ -238,3 +238,15 @@ def zarr_store(url: str, read_only: bool = False):
     if is_s3(url):
         return zarr.storage.FsspecStore.from_url(url, storage_options=s3_storage_options(), read_only=read_only)
     return zarr.storage.LocalStore(normalize(url), read_only=read_only)
+
+
+def read_head(url: str, nbytes: int) -> tuple[bytes, int]:
+    """The first ``nbytes`` of the object at ``url`` and its total size, without reading the rest."""
+    fs, path = filesystem(url)
+    try:
+        size = int(fs.size(path))
+        if fs.isdir(path):
+            raise SFMError(f"{url} is a directory, not a file; name the file itself")
+        return fs.cat_file(path, start=0, end=min(nbytes, size)), size
+    except FileNotFoundError as err:
+        raise SFMError(f"{url} does not exist. Check the path or URL.") from err

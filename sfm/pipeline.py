@@ -1,0 +1,150 @@
+"""What each step of ``flows/pretrain_flow.py`` does: one function per step, no Metaflow imports.
+
+The flow stays a thin card of the design; everything here can be called and tested on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from sfm import manifest, registry, storage
+from sfm.config import JobConfig
+from sfm.errors import SFMError
+
+DEMO_SHAPE = (64, 64, 128)
+DEMO_SURVEYS = (("demo-train-0", 0, False), ("demo-train-1", 1, False), ("demo-heldout-0", 2, True))
+
+
+def job_config(config: dict | None, *, preset: str = "", max_steps: int = 0, nodes: int = 1,
+               procs_per_node: int = 1) -> JobConfig:
+    """The resolved job config: the TOML config, then the flow's explicit parameters on top."""
+    cfg = JobConfig.from_dict(config or {})
+    if preset:
+        cfg.set("model.preset", preset)
+    if max_steps:
+        cfg.set("train.max_steps", max_steps)
+    cfg.set("dist.nodes", nodes)
+    cfg.set("dist.procs_per_node", procs_per_node)
+    if cfg.dist.nodes < 1 or cfg.dist.procs_per_node < 1:
+        raise SFMError("--nodes and --procs-per-node must be at least 1")
+    return cfg
+
+
+def split_urls(text: str) -> list[str]:
+    return [part.strip() for part in str(text or "").split(",") if part.strip()]
+
+
+def plan_surveys(surveys: str, held_out: str, data_root: str) -> list[dict[str, Any]]:
+    """The surveys to ingest, each {"url", "held_out"}; generates the demo surveys when none are named.
+
+    Every named source is checked now (exists, reads as SEG-Y), so a bad entry fails the run before
+    anything is written, with a one-line error naming it.
+    """
+    from sfm.segy import BINARY_HEADER_BYTES, TEXT_HEADER_BYTES, layout_from_header
+
+    train_urls, held_urls = split_urls(surveys), split_urls(held_out)
+    if not train_urls:
+        if held_urls:
+            raise SFMError("--held-out was given without --surveys; name the training surveys too")
+        return generate_demo_surveys(data_root)
+    overlap = set(map(storage.normalize, train_urls)) & set(map(storage.normalize, held_urls))
+    if overlap:
+        raise SFMError(f"{sorted(overlap)[0]} is both a training and a held-out survey; split by survey")
+    if not held_urls:
+        if len(train_urls) < 2:
+            raise SFMError("with one survey there is nothing to hold out; pass --held-out or a second survey")
+        held_urls = train_urls[-1:]
+        train_urls = train_urls[:-1]
+    plan = []
+    for url, held in [(u, False) for u in train_urls] + [(u, True) for u in held_urls]:
+        url = storage.normalize(url)
+        try:
+            head, size = storage.read_head(url, TEXT_HEADER_BYTES + BINARY_HEADER_BYTES)
+            layout_from_header(url, head, size)
+        except SFMError as err:
+            raise SFMError(f"survey {url}: {err}") from None
+        plan.append({"url": url, "held_out": held})
+    return plan
+
+
+def generate_demo_surveys(data_root: str) -> list[dict[str, Any]]:
+    """Write the three demo surveys (and their fault labels) into ``<data_root>/landing``."""
+    from sfm.synth import synth_survey
+
+    landing = storage.join(data_root, "landing")
+    plan = []
+    with tempfile.TemporaryDirectory(prefix="sfm-demo-") as tmp:
+        for name, seed, held in DEMO_SURVEYS:
+            url = storage.join(landing, f"{name}.sgy")
+            if not storage.exists(url):
+                result = synth_survey(os.path.join(tmp, f"{name}.sgy"), shape=DEMO_SHAPE, seed=seed)
+                storage.upload(result["faults"], storage.join(landing, Path(result["faults"]).name))
+                storage.upload(result["segy"], url)  # the SEG-Y last: present means complete
+            plan.append({"url": url, "held_out": held})
+    return plan
+
+
+def ingest(source: dict[str, Any], data_root: str, cfg: JobConfig) -> dict[str, Any]:
+    """Ingest one planned survey; returns a small reference (ids, URLs, shape, status)."""
+    from sfm.ingest import ingest_survey
+
+    row = ingest_survey(source["url"], data_root, iline_byte=cfg.ingest.iline_byte or None,
+                        xline_byte=cfg.ingest.xline_byte or None, chunk=cfg.ingest.chunk)
+    keep = ("survey_id", "name", "source_url", "store_url", "shape", "status", "seconds")
+    return {**{k: row[k] for k in keep}, "held_out": bool(source["held_out"])}
+
+
+def run_root(data_root: str, flow_name: str, run_key: str) -> str:
+    return storage.join(data_root, "checkpoints", f"{flow_name}-{run_key}")
+
+
+def pretrain_node(cfg: JobConfig, *, train_stores: list[str], root: str, nodes: int, node_index: int,
+                  main_addr: str, rendezvous_key: str) -> dict[str, Any] | None:
+    """Launch this node's training processes; node 0 returns the training summary."""
+    from sfm.launch import launch_node, port_for
+
+    job = {"config": cfg.to_dict(), "surveys": train_stores, "run_root": root}
+    launch_node(job, nodes=nodes, procs_per_node=cfg.dist.procs_per_node, node_rank=node_index,
+                main_addr=main_addr, main_port=port_for(rendezvous_key))
+    if node_index != 0:
+        return None
+    return json.loads(storage.read_bytes(storage.join(root, "summary.json")))
+
+
+def evaluate(model_url: str, held_out_stores: list[str], cfg: JobConfig) -> dict[str, Any]:
+    from sfm.evaluate import evaluate_model, summarize
+    from sfm.model.io import load
+
+    metrics = evaluate_model(load(model_url), held_out_stores, cfg)
+    print(f"sfm evaluate: {summarize(metrics)}")
+    return metrics
+
+
+def code_version() -> str:
+    """The package version plus the git commit of the checkout, when there is one."""
+    import sfm
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{sfm.__version__}+g{commit}" if commit else sfm.__version__
+
+
+def register(data_root: str, cfg: JobConfig, *, model_url: str, metrics: dict, run_pathspec: str,
+             surveys: list[str], held_out: list[str]) -> dict[str, Any]:
+    lineage = {
+        "run_pathspec": run_pathspec, "manifest_version": manifest.version(data_root),
+        "code_version": code_version(), "surveys": surveys, "held_out_surveys": held_out,
+    }
+    record = registry.register(data_root, cfg.registry.model_name, model_url, config=cfg.to_dict(),
+                               metrics=metrics, lineage=lineage, margin=cfg.registry.margin)
+    print(f"sfm register: {cfg.registry.model_name} v{record['version']}"
+          f"{' (champion)' if record['champion'] else ''} at {registry.version_url(data_root, cfg.registry.model_name, record['version'])}")
+    return record
