@@ -29,6 +29,53 @@ def _cmd_synth(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
+def _cmd_ingest(args: argparse.Namespace) -> None:
+    import time
+
+    from sfm.ingest import ingest_survey
+
+    t0, total = time.perf_counter(), 0
+    for src in args.src:
+        row = ingest_survey(src, args.out, iline_byte=args.iline_byte, xline_byte=args.xline_byte,
+                            endian=args.endian, chunk=args.chunk)
+        total += row["shape"][0] * row["shape"][1] * row["shape"][2] * 4
+        stats = json.loads(row.pop("stats_json"))
+        print(json.dumps({**row, "stats": stats}, default=str))
+    seconds = time.perf_counter() - t0
+    print(f"sfm ingest: {len(args.src)} survey(s), {total / 1e6:.1f} MB of float32 samples in {seconds:.1f}s "
+          f"({total / 1e6 / max(seconds, 1e-9):.1f} MB/s)", file=sys.stderr)
+
+
+def _cmd_registry(args: argparse.Namespace) -> None:
+    from sfm import registry
+
+    if args.action == "list":
+        champion = registry.champion_version(args.data_root, args.model)
+        for version in registry.versions(args.data_root, args.model):
+            record = registry.get(args.data_root, args.model, version)
+            print(json.dumps({"version": version, "champion": version == champion, "created_at": record["created_at"],
+                              "masked_nmse": record["metrics"].get("masked_nmse"),
+                              "run": record["lineage"]["run_pathspec"]}))
+    elif args.action == "show":
+        print(json.dumps(registry.get(args.data_root, args.model, _version_arg(args.version)), indent=1))
+    elif args.action == "promote":
+        registry.maybe_promote(args.data_root, args.model, int(_version_arg(args.version)), force=True)
+        print(f"{args.model} v{args.version} is now the champion")
+    elif args.action == "load":
+        from sfm.model.io import save
+
+        model = registry.load(args.data_root, args.model, _version_arg(args.version))
+        if args.out:
+            save(model, args.out)
+        print(json.dumps({"model": args.model, "version": args.version, "config": model.cfg.to_dict(),
+                          "parameters": sum(p.numel() for p in model.parameters()), "saved_to": args.out or None}))
+
+
+def _version_arg(text: str) -> int | str:
+    text = str(text).lstrip("v")
+    return int(text) if text.isdigit() else text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sfm", description="Seismic foundation model pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--xline-byte", type=int, default=193)
     p.add_argument("--sorting", choices=["inline", "crossline"], default="inline")
     p.set_defaults(func=_cmd_synth)
+
+    p = sub.add_parser("ingest", help="SEG-Y files -> Zarr v3 survey stores, published in the manifest")
+    p.add_argument("src", nargs="+", help="SEG-Y files (local paths or s3:// URLs)")
+    p.add_argument("--out", required=True, help="data root (local path or s3://bucket/prefix)")
+    p.add_argument("--iline-byte", type=int, default=None, help="trace-header byte of the inline number")
+    p.add_argument("--xline-byte", type=int, default=None, help="trace-header byte of the crossline number")
+    p.add_argument("--endian", choices=["auto", "big", "little"], default="auto")
+    p.add_argument("--chunk", type=int, default=128, help="brick edge in voxels")
+    p.set_defaults(func=_cmd_ingest)
+
+    p = sub.add_parser("registry", help="list, show, promote or load registered model versions")
+    p.add_argument("action", choices=["list", "show", "promote", "load"])
+    p.add_argument("--data-root", required=True)
+    p.add_argument("--model", default="sfm-mae")
+    p.add_argument("--version", default="champion", help="N, vN, latest or champion")
+    p.add_argument("--out", default="", help="with load: export the model to this folder")
+    p.set_defaults(func=_cmd_registry)
     return parser
 
 

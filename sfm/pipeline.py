@@ -67,7 +67,7 @@ def plan_surveys(surveys: str, held_out: str, data_root: str) -> list[dict[str, 
             head, size = storage.read_head(url, TEXT_HEADER_BYTES + BINARY_HEADER_BYTES)
             layout_from_header(url, head, size)
         except SFMError as err:
-            raise SFMError(f"survey {url}: {err}") from None
+            raise (err if url in str(err) else SFMError(f"survey {url}: {err}")) from None
         plan.append({"url": url, "held_out": held})
     return plan
 

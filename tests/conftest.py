@@ -1,0 +1,129 @@
+"""Shared fixtures: real SEG-Y test files, an S3 server on loopback, an isolated Metaflow home."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+# torch must be imported before metaflow.Runner loads the flow in this process: Metaflow's vendored
+# typing_extensions changes typing's generics in a way torch's import then trips over.
+import torch  # noqa: F401
+
+PROJECT = Path(__file__).resolve().parents[1]
+SEGY_DIR = PROJECT.parent / "shared" / "data" / "segy"
+FLOW = PROJECT / "flows" / "pretrain_flow.py"
+
+# Test-only credentials for the loopback S3 server; recognisable so leak scans can look for them.
+TEST_ACCESS_KEY = "sfmtestaccesskey0001"
+TEST_SECRET_KEY = "sfmtestsecretkey0001verysecretvalue"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def segy_dir() -> Path:
+    if not SEGY_DIR.is_dir():
+        pytest.fail(f"real SEG-Y test files missing: {SEGY_DIR} (the shared/ folder beside the project)")
+    return SEGY_DIR
+
+
+class S3Server:
+    """A moto_server process speaking the S3 HTTP API on 127.0.0.1:port."""
+
+    def __init__(self, tmp: Path):
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.log = open(tmp / "moto_server.log", "wb")
+        exe = shutil.which("moto_server") or sys.executable
+        cmd = [exe, "-H", "127.0.0.1", "-p", str(self.port)] if exe != sys.executable else \
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 30
+        while True:
+            try:
+                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1)
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"moto_server did not start; see {self.log.name}")
+                time.sleep(0.2)
+
+    def env(self) -> dict[str, str]:
+        return {
+            "AWS_ACCESS_KEY_ID": TEST_ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": TEST_SECRET_KEY,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "SFM_S3_ENDPOINT_URL": self.endpoint,
+            "METAFLOW_S3_ENDPOINT_URL": self.endpoint,
+            "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
+            "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required",
+        }
+
+    def client(self):
+        import boto3
+        from botocore.config import Config
+
+        env = self.env()
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+                            config=Config(request_checksum_calculation="when_required",
+                                          response_checksum_validation="when_required"))
+
+    def make_bucket(self, name: str) -> str:
+        self.client().create_bucket(Bucket=name)
+        return f"s3://{name}"
+
+    def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        paginator = self.client().get_paginator("list_objects_v2")
+        return [o["Key"] for page in paginator.paginate(Bucket=bucket, Prefix=prefix) for o in page.get("Contents", [])]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    server = S3Server(tmp_path_factory.mktemp("moto"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """Point this process (and the processes it starts) at the loopback S3 server."""
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    return s3_server
+
+
+@pytest.fixture
+def metaflow_env(tmp_path, monkeypatch):
+    """An isolated Metaflow home and local datastore for one test; returns the env dict for Runner."""
+    env = {
+        "METAFLOW_USER": "sfm-test",
+        "METAFLOW_HOME": str(tmp_path / "mfhome"),
+        "METAFLOW_DEFAULT_DATASTORE": "local",
+        "METAFLOW_DATASTORE_SYSROOT_LOCAL": str(tmp_path / "mfroot"),
+        "METAFLOW_DEFAULT_METADATA": "local",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env

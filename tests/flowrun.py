@@ -1,0 +1,59 @@
+"""Drive ``flows/pretrain_flow.py`` with ``metaflow.Runner`` and read results with the Client API.
+
+The Client API is read in a fresh subprocess with the run's environment: Metaflow fixes its
+datastore and S3 endpoint settings when it is first imported, so one test process cannot read runs
+from several datastores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from conftest import FLOW
+
+_CLIENT_SCRIPT = r"""
+import json, sys
+from metaflow import Run, namespace
+namespace(None)
+run = Run(sys.argv[1])
+steps = {}
+for st in run:
+    steps[st.id] = [t.successful for t in st]
+out = {"successful": run.successful, "finished": run.finished, "steps": steps, "tags": sorted(run.tags)}
+if run.successful:
+    data = run["end"].task.data
+    out.update({k: getattr(data, k) for k in ("train_summary", "metrics", "model_name", "model_version",
+                                                 "root", "champion", "train_stores", "held_out_stores")})
+print("CLIENT-JSON " + json.dumps(out, default=str))
+"""
+
+
+@dataclass
+class FlowResult:
+    status: str  # "successful" | "failed"
+    stdout: str
+    stderr: str
+    pathspec: str
+
+
+def run_flow(env: dict[str, str], *, top_level: dict | None = None, cwd: str | None = None, resume: bool = False,
+             **params) -> FlowResult:
+    """Run (or resume) the flow and wait for it."""
+    from metaflow import Runner
+
+    with Runner(str(FLOW), show_output=True, env=env, cwd=cwd, **(top_level or {})) as runner:
+        result = runner.resume(**params) if resume else runner.run(**params)
+        return FlowResult(result.status, result.stdout, result.stderr, result.run.pathspec)
+
+
+def client_view(pathspec: str, env: dict[str, str], cwd: str | None = None) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _CLIENT_SCRIPT, pathspec], env={**os.environ, **env},
+                          capture_output=True, text=True, cwd=cwd, timeout=300)
+    for line in proc.stdout.splitlines():
+        if line.startswith("CLIENT-JSON "):
+            return json.loads(line[len("CLIENT-JSON "):])
+    raise AssertionError(f"client read failed:\n{proc.stdout}\n{proc.stderr}")
