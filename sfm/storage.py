@@ -6,7 +6,14 @@ loopback S3 server, and on a cluster:
 
 - endpoint: ``SFM_S3_ENDPOINT_URL``, else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, else
   ``METAFLOW_S3_ENDPOINT_URL`` (so one setting serves both the data root and Metaflow's datastore);
-- credentials: the usual boto chain (env, profile, instance role); never logged here.
+- credentials: the usual boto chain (env, profile, instance role); never logged here, never part of a
+  URL (an endpoint or ``s3://`` URL with ``user:pass@`` is refused), redacted from every error message.
+
+Security rules (:mod:`sfm.security`) are enforced here, where URLs and paths are built:
+
+- the endpoint must be ``https://`` unless it is on loopback or ``SFM_ALLOW_INSECURE_S3=1`` is set;
+- names that come from outside (landing file names, survey ids, model and run names) enter a path
+  only through :func:`safe_join`, and :func:`join` never climbs out of its base with ``..``.
 
 Non-AWS servers break botocore's default checksum handling on ranged reads, so checksums are
 computed and validated only when the operation requires them.
@@ -27,6 +34,7 @@ from typing import Any
 import fsspec
 
 from sfm.errors import SFMError
+from sfm.security import endpoint_problem, name_problem, redact
 
 _CHECKSUM_ENV = {
     "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
@@ -38,10 +46,17 @@ def is_s3(url: str) -> bool:
     return str(url).startswith("s3://")
 
 
+ENDPOINT_ENV = ("SFM_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "METAFLOW_S3_ENDPOINT_URL")
+
+
 def s3_endpoint_url() -> str | None:
-    for name in ("SFM_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "METAFLOW_S3_ENDPOINT_URL"):
-        value = os.environ.get(name)
+    """The S3 endpoint from the environment (None: AWS); refused unless https, loopback or opted in."""
+    for name in ENDPOINT_ENV:
+        value = os.environ.get(name, "").strip()
         if value:
+            problem = endpoint_problem(value)
+            if problem:
+                raise SFMError(f"{problem} (from ${name})")
             return value
     return None
 
@@ -64,23 +79,52 @@ def s3_storage_options() -> dict[str, Any]:
     return options
 
 
+def _check_s3_url(url: str) -> str:
+    """``url`` itself; refused when it carries credentials (``s3://key:secret@bucket``)."""
+    bucket = url[len("s3://"):].split("/", 1)[0]
+    if "@" in bucket:
+        raise SFMError(f"{redact(url)} carries credentials in the URL; remove them and use the AWS credential "
+                       "chain (environment, profile, instance or pod role)")
+    return url
+
+
 def normalize(url: str | os.PathLike) -> str:
     """A canonical URL: s3 URLs unchanged (minus trailing slash), local paths made absolute."""
     url = str(url)
     if is_s3(url):
-        return url.rstrip("/")
+        return _check_s3_url(url).rstrip("/")
     if url.startswith("file://"):
         url = url[len("file://") :]
     return str(Path(url).expanduser().absolute())
 
 
 def join(url: str, *parts: str) -> str:
+    """``url/part/...`` for parts the code itself chose; a ``..`` segment or NUL is refused.
+
+    Names that come from outside go through :func:`safe_join` instead.
+    """
     url = str(url).rstrip("/")
     for part in parts:
         part = str(part).strip("/")
+        if "\0" in part or ".." in part.split("/"):
+            raise SFMError(f"path part {part!r} would leave {redact(url)}; pass a plain name without '..'")
         if part:
             url = f"{url}/{part}"
     return url
+
+
+def safe_join(url: str, *names: str, what: str = "name") -> str:
+    """``url/name/...`` where each name came from outside and must be one plain path component.
+
+    ``what`` says in the error what the name is (e.g. "landing file name", "run name"). The result
+    always lies under ``url``: see :func:`sfm.security.name_problem` for what is refused.
+    """
+    for name in names:
+        problem = name_problem(name)
+        if problem:
+            raise SFMError(f"{what} {name!r} cannot be used in a storage path: {problem}; "
+                           "rename it using letters, digits, spaces, '.', '_' or '-'")
+    return join(url, *names)
 
 
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -88,12 +132,13 @@ def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     url = str(url)
     if is_s3(url):
         fs = fsspec.filesystem("s3", **s3_storage_options())
-        return fs, url[len("s3://") :].rstrip("/")
+        return fs, _check_s3_url(url)[len("s3://") :].rstrip("/")
     return fsspec.filesystem("file"), normalize(url)
 
 
 def _wrap(url: str, err: Exception) -> SFMError:
-    return SFMError(f"cannot access {url}: {type(err).__name__}: {err}. Check the URL, the S3 endpoint and credentials.")
+    return SFMError(redact(f"cannot access {url}: {type(err).__name__}: {err}. "
+                           "Check the URL, the S3 endpoint and credentials."))
 
 
 def exists(url: str) -> bool:
@@ -236,7 +281,8 @@ def zarr_store(url: str, read_only: bool = False):
     import zarr.storage
 
     if is_s3(url):
-        return zarr.storage.FsspecStore.from_url(url, storage_options=s3_storage_options(), read_only=read_only)
+        return zarr.storage.FsspecStore.from_url(_check_s3_url(url), storage_options=s3_storage_options(),
+                                                 read_only=read_only)
     return zarr.storage.LocalStore(normalize(url), read_only=read_only)
 
 
