@@ -30,20 +30,35 @@ def _cmd_synth(args: argparse.Namespace) -> None:
 
 
 def _cmd_ingest(args: argparse.Namespace) -> None:
+    """One JSON line per survey on stdout, one summary line on stderr; each bad file gets its own error line."""
     import time
 
     from sfm.ingest import ingest_survey
 
-    t0, total = time.perf_counter(), 0
+    t0, read_bytes, failures = time.perf_counter(), 0, []
     for src in args.src:
-        row = ingest_survey(src, args.out, iline_byte=args.iline_byte, xline_byte=args.xline_byte,
-                            endian=args.endian, chunk=args.chunk)
-        total += row["shape"][0] * row["shape"][1] * row["shape"][2] * 4
+        try:
+            row = ingest_survey(src, args.out, iline_byte=args.iline_byte, xline_byte=args.xline_byte,
+                                endian=args.endian, chunk=args.chunk, dtype=args.dtype,
+                                max_sparsity=args.max_sparsity,
+                                nonfinite="refuse" if args.refuse_nonfinite else "replace",
+                                progress=sys.stderr.isatty())
+        except SFMError as err:
+            if len(args.src) == 1:
+                raise
+            failures.append(src)
+            print(f"sfm ingest: error: {err}", file=sys.stderr, flush=True)
+            continue
+        if row["status"] == "ingested":
+            read_bytes += json.loads(row["stats_json"])["count"] * 4
         stats = json.loads(row.pop("stats_json"))
-        print(json.dumps({**row, "stats": stats}, default=str))
+        print(json.dumps({**row, "stats": stats}, default=str), flush=True)
     seconds = time.perf_counter() - t0
-    print(f"sfm ingest: {len(args.src)} survey(s), {total / 1e6:.1f} MB of float32 samples in {seconds:.1f}s "
-          f"({total / 1e6 / max(seconds, 1e-9):.1f} MB/s)", file=sys.stderr)
+    done = len(args.src) - len(failures)
+    print(f"sfm ingest: {done} of {len(args.src)} survey(s) in {seconds:.1f}s, {read_bytes / 1e6:.1f} MB of samples "
+          f"ingested ({read_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s)", file=sys.stderr)
+    if failures:
+        raise SFMError(f"{len(failures)} of {len(args.src)} sources failed (see the lines above): {', '.join(failures)}")
 
 
 def _cmd_registry(args: argparse.Namespace) -> None:
@@ -97,7 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iline-byte", type=int, default=None, help="trace-header byte of the inline number")
     p.add_argument("--xline-byte", type=int, default=None, help="trace-header byte of the crossline number")
     p.add_argument("--endian", choices=["auto", "big", "little"], default="auto")
-    p.add_argument("--chunk", type=int, default=128, help="brick edge in voxels")
+    p.add_argument("--chunk", type=int, default=128, help="brick edge in voxels (default 128: 128^3 bricks)")
+    p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
+                   help="float32 is lossless; float16 stores standardised values and records the transform")
+    p.add_argument("--max-sparsity", type=float, default=10.0,
+                   help="largest allowed ratio of grid cells to traces (default 10)")
+    p.add_argument("--refuse-nonfinite", action="store_true",
+                   help="fail on NaN/inf samples instead of replacing them by 0 and counting them")
     p.set_defaults(func=_cmd_ingest)
 
     p = sub.add_parser("registry", help="list, show, promote or load registered model versions")

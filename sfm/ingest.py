@@ -1,43 +1,60 @@
 """SEG-Y -> Zarr v3 survey store, published atomically through the manifest.
 
-One call ingests one survey: read the geometry from the trace headers, stream the traces in
-inline slabs into 3D-chunked bricks, compute statistics in the same pass, write the attributes,
-and only then publish the manifest row. ``survey_id`` is derived from the file's content, so
-ingesting the same bytes twice is a no-op.
+One call ingests one survey:
+
+1. read the layout from the binary header, then one parallel pass over the file digests its content
+   (``survey_id``) and reads the trace header fields; a survey already in the manifest is a no-op;
+2. build the full (inline, crossline) grid, refusing what cannot be stored faithfully;
+3. stream the traces, one column of bricks (``chunk`` inlines x ``chunk`` crosslines x all samples)
+   at a time, on all cores: read runs of consecutive traces, convert to float32, accumulate the
+   statistics (same pass), encode and write whole shards;
+4. write the attributes (validated against ``data_contracts/survey_store.schema.json``) and the
+   consolidated metadata, and only then publish the manifest row.
+
+Memory is bounded by ``workers`` brick columns in flight, never by the file size. A store is
+written in place at ``surveys/<survey_id>.zarr`` with atomic object writes; every attempt writes the
+same bytes for the same file and options, so an interrupted ingest (no row: invisible) is completed by
+a rerun, and two ingests of the same file at once cannot corrupt each other.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
+import math
 import os
+import sys
 import tempfile
+import threading
 import time
 import warnings
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from sfm import manifest, storage
-from sfm.contracts import validate
+from sfm.contracts import read_store_attrs, validate
 from sfm.errors import SFMError
-from sfm.segy import TraceReader, build_geometry, cdp_coordinates, read_layout, text_header
+from sfm.segy import (
+    DIGEST_ALGORITHM, SegyLayout, SurveyGeometry, TraceReader, build_geometry, cdp_coordinates,
+    header_fields_needed, read_layout, scan_file, text_header,
+)
 
+STORE_VERSION = 1
 PERCENTILES = (0.1, 1, 50, 99, 99.9)
-_STATS_SAMPLE_TRACES = 4096  # traces kept (evenly spaced) for the percentile estimate
+PERCENTILE_TRACES = 4096  # evenly spaced traces kept for the percentiles (all traces of smaller surveys)
+TRANSFORM_TRACES = 1024  # evenly spaced traces read first to fix the float16 standardisation
+SHARD_BYTES = 64 << 20  # target size of one shard (bricks along the sample axis)
+FLOAT16_MAX = 65504.0
+DTYPES = ("float32", "float16")
+NONFINITE_POLICIES = ("replace", "refuse")
 
 
 def survey_store_url(data_root: str, survey_id: str) -> str:
     return storage.join(data_root, "surveys", f"{survey_id}.zarr")
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(8 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def survey_name(url: str) -> str:
@@ -48,46 +65,35 @@ def survey_name(url: str) -> str:
     return base or "survey"
 
 
-class _RunningStats:
-    """Count, mean, std, min, max over live samples, plus percentiles from evenly spaced traces."""
+@dataclass
+class IngestOptions:
+    """What shapes the store; the same file with the same options always gives the same bytes."""
 
-    def __init__(self, n_traces: int):
-        self.count = 0
-        self.total = 0.0
-        self.total_sq = 0.0
-        self.min = np.inf
-        self.max = -np.inf
-        self.stride = max(1, n_traces // _STATS_SAMPLE_TRACES)
-        self.sampled: list[np.ndarray] = []
+    iline_byte: int | None = None
+    xline_byte: int | None = None
+    endian: str = "auto"
+    chunk: int = 128
+    dtype: str = "float32"
+    max_sparsity: float = 10.0
+    nonfinite: str = "replace"  # "replace" NaN/inf by 0 and report, or "refuse" the file
+    workers: int = 0  # threads; 0: one per core, at most 8
 
-    def update(self, traces: np.ndarray, trace_numbers: np.ndarray) -> None:
-        """traces: [T, NS] float32 live traces; trace_numbers: [T] their positions in the file."""
-        if traces.size == 0:
-            return
-        values = traces.astype(np.float64)
-        self.count += values.size
-        self.total += float(values.sum())
-        self.total_sq += float(np.square(values).sum())
-        self.min = min(self.min, float(values.min()))
-        self.max = max(self.max, float(values.max()))
-        keep = trace_numbers % self.stride == 0
-        if keep.any():
-            self.sampled.append(traces[keep].ravel())
+    def check(self) -> None:
+        if self.dtype not in DTYPES:
+            raise SFMError(f"--dtype {self.dtype!r} is not supported; use float32 (lossless) or float16")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise SFMError(f"nonfinite={self.nonfinite!r}: use 'replace' or 'refuse'")
+        if not 1 <= int(self.chunk) <= 4096:
+            raise SFMError(f"--chunk {self.chunk} is not a brick edge; use 16..512 (default 128)")
+        if not self.max_sparsity >= 1:
+            raise SFMError(f"--max-sparsity {self.max_sparsity} must be at least 1 (cells per trace)")
+        for byte in (self.iline_byte, self.xline_byte):
+            if byte is not None and not 1 <= int(byte) <= 237:
+                raise SFMError(f"byte location {byte} is outside the 240-byte trace header; use 1..237")
 
-    def result(self, nonfinite: int) -> dict[str, Any]:
-        if self.count == 0:
-            return {"count": 0, "mean": 0.0, "std": 0.0, "min": 0.0, "max": 0.0,
-                    "percentiles": {str(p): 0.0 for p in PERCENTILES}, "nonfinite_replaced": nonfinite}
-        mean = self.total / self.count
-        var = max(0.0, self.total_sq / self.count - mean * mean)
-        sample = np.concatenate(self.sampled)
-        pct = np.percentile(sample, PERCENTILES)
-        return {
-            "count": int(self.count), "mean": mean, "std": float(np.sqrt(var)),
-            "min": self.min, "max": self.max,
-            "percentiles": {f"{p:g}": float(v) for p, v in zip(PERCENTILES, pct)},
-            "nonfinite_replaced": int(nonfinite),
-        }
+    @property
+    def n_workers(self) -> int:
+        return int(self.workers) or max(1, min(8, os.cpu_count() or 1))
 
 
 def ingest_survey(
@@ -97,12 +103,21 @@ def ingest_survey(
     iline_byte: int | None = None,
     xline_byte: int | None = None,
     endian: str = "auto",
-    chunk: int = 64,
+    chunk: int = 128,
+    dtype: str = "float32",
+    max_sparsity: float = 10.0,
+    nonfinite: str = "replace",
+    workers: int = 0,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Ingest one SEG-Y file into ``<data_root>/surveys/<survey_id>.zarr`` and publish it.
 
-    Returns the manifest row plus ``status`` ("ingested" or "exists"), ``seconds`` and ``mb_per_s``.
+    Returns the manifest row plus ``status`` ("ingested" or "exists"), ``message``, ``seconds``,
+    ``mb_per_s`` and ``details`` (byte locations and how they were found, byte order, holes, ...).
     """
+    opts = IngestOptions(iline_byte or None, xline_byte or None, endian, int(chunk), dtype, float(max_sparsity),
+                         nonfinite, int(workers))
+    opts.check()
     t0 = time.perf_counter()
     data_root = storage.normalize(data_root)
     src_url = storage.normalize(src_url)
@@ -111,103 +126,377 @@ def ingest_survey(
         local = storage.local_copy(src_url, workdir)
         if os.path.isdir(local):
             raise SFMError(f"{src_url} is a directory, not a SEG-Y file; name the .sgy file itself")
-        layout = read_layout(local, endian)  # fails fast, before hashing, on files that are not SEG-Y
-        checksum = file_sha256(local)
-        survey_id = checksum[:16]
+        layout = read_layout(local, opts.endian)  # fails fast on files that are not SEG-Y
+        fields = header_fields_needed(opts.iline_byte, opts.xline_byte)
+        digest, headers = scan_file(layout, fields, opts.n_workers)
+        survey_id = digest[:16]
         existing = manifest.get_row(data_root, survey_id)
         if existing is not None:
-            return {**existing, "status": "exists", "seconds": time.perf_counter() - t0, "mb_per_s": 0.0}
-        geometry = build_geometry(layout, iline_byte, xline_byte)
+            return _exists(existing, src_url, t0)
+        geometry = build_geometry(layout, headers, opts.iline_byte, opts.xline_byte, opts.max_sparsity)
         store_url = survey_store_url(data_root, survey_id)
+        text, encoding = text_header(layout)
         attrs = {
-            "sfm_store_version": 1, "survey_id": survey_id, "name": name, "source_url": src_url,
-            "source_size": os.path.getsize(local), "checksum_sha256": checksum,
+            "sfm_store_version": STORE_VERSION, "survey_id": survey_id, "name": name, "source_url": src_url,
+            "source_size": os.path.getsize(local), "checksum": digest, "checksum_algorithm": DIGEST_ALGORITHM,
             "iline_byte": geometry.iline_byte, "xline_byte": geometry.xline_byte,
-            "endian": layout.endian, "sample_format": layout.sample_format,
-            "sample_interval_us": layout.sample_interval_us, "text_header": text_header(layout),
-            "shape": [*geometry.shape, layout.samples],
+            "byte_locations": geometry.extra["byte_locations"],
+            "byte_pairs_rejected": geometry.extra["byte_pairs_rejected"],
+            "endian": layout.endian, "endian_source": layout.endian_source, "segy_revision": layout.revision,
+            "sample_format": layout.sample_format, "sample_format_name": layout.format_name,
+            "sample_interval_us": layout.sample_interval_us, "text_header": text, "text_encoding": encoding,
+            "shape": [*geometry.shape, layout.samples], "live_traces": int(layout.n_traces),
+            "inline_step": geometry.extra["inline_step"], "crossline_step": geometry.extra["crossline_step"],
+            "dtype": opts.dtype, "nonfinite_policy": opts.nonfinite,
         }
-        stats = _write_store(store_url, layout, geometry, attrs, chunk)
+        try:
+            stats = _write_store(store_url, layout, geometry, headers, attrs, opts, progress)
+        except BaseException as err:
+            if isinstance(err, Exception) and manifest.get_row(data_root, survey_id) is None:
+                storage.remove(store_url)  # a failed ingest leaves no store (a killed one leaves an invisible one)
+            raise
     row = {
         "survey_id": survey_id, "name": name, "source_url": src_url, "store_url": store_url,
-        "shape": attrs["shape"], "live_traces": int(layout.n_traces), "checksum_sha256": checksum,
+        "shape": attrs["shape"], "live_traces": int(layout.n_traces), "checksum": digest,
         "sample_format": layout.sample_format, "sample_interval_us": layout.sample_interval_us,
-        "ingested_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "dtype": opts.dtype, "ingested_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "stats_json": json.dumps(stats, sort_keys=True),
     }
-    manifest.publish(data_root, row)  # last: the survey becomes visible only now
+    if not manifest.publish(data_root, row):  # last: the survey becomes visible only now
+        return _exists(manifest.get_row(data_root, survey_id), src_url, t0, concurrent=True)
     seconds = time.perf_counter() - t0
-    return {**row, "status": "ingested", "seconds": seconds, "mb_per_s": attrs["source_size"] / 1e6 / seconds}
+    holes = geometry.shape[0] * geometry.shape[1] - layout.n_traces
+    message = f"ingested {name}: {attrs['shape'][0]} x {attrs['shape'][1]} x {attrs['shape'][2]}, {holes} holes"
+    if stats["nonfinite_replaced"]:
+        message += f", {stats['nonfinite_replaced']} NaN/inf samples replaced by 0"
+    details = {k: attrs[k] for k in ("iline_byte", "xline_byte", "byte_locations", "endian", "endian_source",
+                                     "sample_format_name", "text_encoding")}
+    details["holes"] = int(holes)
+    return {**row, "status": "ingested", "message": message, "details": details, "seconds": seconds,
+            "mb_per_s": attrs["source_size"] / 1e6 / seconds}
 
 
-def _write_store(store_url: str, layout, geometry, attrs: dict[str, Any], chunk: int) -> dict[str, Any]:
-    """Write the Zarr v3 group (overwriting any unpublished leftovers) and return the statistics."""
-    import zarr
+def _exists(row: dict[str, Any], src_url: str, t0: float, concurrent: bool = False) -> dict[str, Any]:
+    how = "by an ingest running at the same time" if concurrent else "before"
+    message = (f"{src_url}: same content as survey {row['survey_id']} ({row['name']}), published {how}; "
+               "nothing to do")
+    return {**row, "status": "exists", "message": message, "details": {}, "seconds": time.perf_counter() - t0,
+            "mb_per_s": 0.0}
 
+
+# ------------------------------------------------------------------------------------------------
+# statistics
+
+
+@dataclass
+class _Moments:
+    """Count, mean, M2 (sum of squared deviations), min, max of live samples; merged with Chan's formula."""
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    min: float = math.inf
+    max: float = -math.inf
+    nonfinite: int = 0
+    first_nonfinite: int = -1  # trace number
+    zero_traces: int = 0
+    sample: list = field(default_factory=list)  # [k, NS] float32 arrays of evenly spaced traces
+
+    def add_block(self, block: np.ndarray) -> None:
+        """Add live traces ``block`` [T, NS] float32 (finite)."""
+        t, ns = block.shape
+        sums = block.sum(axis=1)
+        squares = np.einsum("ij,ij->i", block, block)
+        lo, hi = float(block.min()), float(block.max())
+        n = t * ns
+        total = float(sums.sum(dtype=np.float64))
+        mean = total / n
+        m2 = float(squares.sum(dtype=np.float64)) - total * mean
+        if not math.isfinite(m2) or m2 <= 1e-3 * float(squares.sum(dtype=np.float64)):
+            # float32 partial sums lose the spread when |mean| >> std (or overflow): redo exactly
+            wide = block.astype(np.float64)
+            mean = float(wide.mean())
+            m2 = float(np.square(wide - mean).sum())
+        self.merge(_Moments(n, mean, max(0.0, m2), lo, hi))
+        if lo == 0.0 or hi == 0.0:
+            self.zero_traces += int(np.count_nonzero((block == 0).all(axis=1)))
+
+    def merge(self, other: "_Moments") -> None:
+        if other.n:
+            n = self.n + other.n
+            delta = other.mean - self.mean
+            self.mean += delta * other.n / n
+            self.m2 += other.m2 + delta * delta * self.n * other.n / n
+            self.n = n
+            self.min, self.max = min(self.min, other.min), max(self.max, other.max)
+        self.nonfinite += other.nonfinite
+        if self.first_nonfinite < 0:
+            self.first_nonfinite = other.first_nonfinite
+        self.zero_traces += other.zero_traces
+        self.sample.extend(other.sample)
+
+    def result(self, n_traces: int) -> dict[str, Any]:
+        base = {"nonfinite_replaced": int(self.nonfinite), "zero_traces": int(self.zero_traces),
+                "percentile_traces": int(sum(len(s) for s in self.sample))}
+        if self.n == 0:
+            return {"count": 0, "mean": 0.0, "std": 0.0, "min": 0.0, "max": 0.0, "all_zero": True,
+                    "percentiles": {f"{p:g}": 0.0 for p in PERCENTILES}, **base}
+        values = np.concatenate([s.ravel() for s in self.sample]) if self.sample else np.zeros(1, np.float32)
+        pct = np.percentile(values, PERCENTILES)
+        return {
+            "count": int(self.n), "mean": float(self.mean), "std": float(math.sqrt(self.m2 / self.n)),
+            "min": float(self.min), "max": float(self.max), "all_zero": self.min == 0.0 and self.max == 0.0,
+            "percentiles": {f"{p:g}": float(v) for p, v in zip(PERCENTILES, pct)}, **base,
+        }
+
+
+# ------------------------------------------------------------------------------------------------
+# the store
+
+
+@dataclass
+class _Plan:
+    """Shapes of the store and of the work units."""
+
+    shape: tuple[int, int, int]
+    bricks: tuple[int, int, int]
+    shards: tuple[int, int, int]
+    dtype: str
+    offset: float = 0.0  # float16: amplitude = stored * scale + offset
+    scale: float = 1.0
+    hole: float = 0.0  # the stored value of a missing trace (decodes to exactly 0)
+
+    @property
+    def units(self) -> list[tuple[int, int, int, int]]:
+        """(il0, il1, xl0, xl1) of every brick column, inline blocks outermost."""
+        n_il, n_xl, _ = self.shape
+        b_il, b_xl, _ = self.bricks
+        return [(i, min(n_il, i + b_il), j, min(n_xl, j + b_xl))
+                for i in range(0, n_il, b_il) for j in range(0, n_xl, b_xl)]
+
+
+def _plan(layout: SegyLayout, geometry: SurveyGeometry, opts: IngestOptions) -> _Plan:
     n_il, n_xl = geometry.shape
     ns = layout.samples
-    bricks = (min(chunk, n_il), min(chunk, n_xl), min(chunk, ns))
-    root = zarr.open_group(storage.zarr_store(store_url), mode="w", zarr_format=3)
-    amp = root.create_array("amplitude", shape=(n_il, n_xl, ns), chunks=bricks, dtype="float32",
-                            fill_value=0.0, dimension_names=["inline", "crossline", "sample"],
-                            attributes={"coordinates": "cdp_x cdp_y", "long_name": "amplitude"})
+    c = int(opts.chunk)
+    bricks = (min(c, n_il), min(c, n_xl), min(c, ns))
+    brick_bytes = math.prod(bricks) * np.dtype(opts.dtype).itemsize
+    per_shard = max(1, min(-(-ns // bricks[2]), SHARD_BYTES // brick_bytes))
+    return _Plan((n_il, n_xl, ns), bricks, (bricks[0], bricks[1], bricks[2] * per_shard), opts.dtype)
+
+
+def _float16_transform(plan: _Plan, reader: TraceReader, n_traces: int) -> None:
+    """Fix the float16 standardisation from evenly spaced traces read before the main pass."""
+    picks = np.unique(np.linspace(0, n_traces - 1, min(n_traces, TRANSFORM_TRACES)).astype(np.int64))
+    values = np.concatenate([reader.read(int(t), int(t) + 1).ravel() for t in picks])
+    values = values[np.isfinite(values)].astype(np.float64)
+    mean = float(values.mean()) if values.size else 0.0
+    std = float(values.std()) if values.size else 0.0
+    scale = std if std > 0 else (abs(mean) or 1.0)
+    hole = np.float16(-mean / scale)  # holes must decode to exactly 0: pick the offset to make it so
+    plan.scale, plan.hole, plan.offset = scale, float(hole), -float(hole) * scale
+
+
+def _create_arrays(root, plan: _Plan, geometry: SurveyGeometry, layout: SegyLayout, headers: dict) -> Any:
+    """Create (or reuse, when an earlier attempt made the same ones) the store's arrays; returns amplitude."""
+    from zarr.codecs import BloscCodec
+
+    n_il, n_xl, ns = plan.shape
+    amp_attrs = {"coordinates": "cdp_x cdp_y", "long_name": "amplitude"}
+    if plan.dtype == "float16":  # CF convention: xarray decodes stored values back to amplitude
+        amp_attrs.update({"scale_factor": plan.scale, "add_offset": plan.offset})
+    spec = {
+        "shape": plan.shape, "chunks": plan.bricks, "dtype": plan.dtype,
+        "shards": {"shape": plan.shards, "index_location": "start"},
+        "compressors": BloscCodec(cname="zstd", clevel=1, shuffle="shuffle"),
+        "fill_value": plan.hole, "dimension_names": ["inline", "crossline", "sample"],
+    }
+    amp = _array(root, "amplitude", spec, amp_attrs, config={"write_empty_chunks": False})
     mask = np.zeros((n_il, n_xl), dtype=bool)
     mask[geometry.trace_il, geometry.trace_xl] = True
-    cdp_x, cdp_y = cdp_coordinates(layout, geometry)
-    for arr_name, values, dims in (
-        ("trace_mask", mask, ["inline", "crossline"]),
-        ("cdp_x", cdp_x, ["inline", "crossline"]),
-        ("cdp_y", cdp_y, ["inline", "crossline"]),
-        ("inline", geometry.inlines, ["inline"]),
-        ("crossline", geometry.crosslines, ["crossline"]),
-        ("sample", np.arange(ns) * layout.sample_interval_us / 1000.0, ["sample"]),
-    ):
-        arr = root.create_array(arr_name, shape=values.shape, chunks=values.shape, dtype=values.dtype,
-                                dimension_names=dims)
-        arr[...] = values
-    root["sample"].attrs["units"] = "ms"
+    cdp_x, cdp_y, _ = cdp_coordinates(geometry, headers)
+    small = (
+        ("trace_mask", mask, ["inline", "crossline"], {}),
+        ("cdp_x", cdp_x, ["inline", "crossline"], {"long_name": "CDP X (scaled by byte 71)"}),
+        ("cdp_y", cdp_y, ["inline", "crossline"], {"long_name": "CDP Y (scaled by byte 71)"}),
+        ("inline", geometry.inlines, ["inline"], {}),
+        ("crossline", geometry.crosslines, ["crossline"], {}),
+        ("sample", np.arange(ns) * layout.sample_interval_us / 1000.0, ["sample"], {"units": "ms"}),
+    )
+    for name, values, dims, attributes in small:
+        spec = {"shape": values.shape, "chunks": values.shape, "dtype": str(values.dtype), "fill_value": 0,
+                "dimension_names": dims, "compressors": BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")}
+        _array(root, name, spec, attributes)[...] = values
+    return amp
 
-    running = _RunningStats(layout.n_traces)
-    nonfinite = 0
-    order = np.argsort(geometry.trace_il, kind="stable")
-    sorted_il = geometry.trace_il[order]
+
+def _array(root, name: str, spec: dict[str, Any], attributes: dict[str, Any], **kwargs):
+    """Array ``name`` as ``spec`` says: an existing one with that exact shape, dtype, bricks and fill value
+    is reused (an interrupted attempt with the same plan; overwriting its objects with the same bytes
+    never leaves a concurrent writer's store incomplete), anything else is replaced."""
+    try:
+        arr = root[name]
+    except KeyError:
+        arr = None
+    if arr is not None and _same_array(arr, spec):
+        arr.attrs.put(attributes)
+        return arr
+    return root.create_array(name, **spec, attributes=attributes, overwrite=True, **kwargs)
+
+
+def _same_array(arr, spec: dict) -> bool:
+    shards = spec.get("shards", {}).get("shape")
+    try:
+        return (tuple(arr.shape) == tuple(spec["shape"]) and str(arr.dtype) == str(spec["dtype"])
+                and tuple(arr.chunks) == tuple(spec["chunks"]) and arr.shards == (tuple(shards) if shards else None)
+                and float(arr.metadata.fill_value) == float(spec["fill_value"]))
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def _write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, headers: dict,
+                 attrs: dict[str, Any], opts: IngestOptions, progress: bool) -> dict[str, Any]:
+    """Write the Zarr v3 group and return the statistics (computed while the traces stream through)."""
+    import zarr
+
+    plan = _plan(layout, geometry, opts)
+    cells = geometry.cell_traces()  # [IL, XL] trace number or -1
+    stride = max(1, layout.n_traces // PERCENTILE_TRACES)
     with TraceReader(layout) as reader:
-        for il0 in range(0, n_il, bricks[0]):
-            il1 = min(n_il, il0 + bricks[0])
-            lo, hi = np.searchsorted(sorted_il, [il0, il1])
-            traces_in_slab = np.sort(order[lo:hi])
-            slab = np.zeros((il1 - il0, n_xl, ns), dtype=np.float32)
-            for run in _contiguous_runs(traces_in_slab):
-                data = reader.read(int(run[0]), int(run[-1]) + 1)
-                bad = ~np.isfinite(data)
-                if bad.any():
-                    nonfinite += int(bad.sum())
-                    data[bad] = 0.0
-                running.update(data, run)
-                slab[geometry.trace_il[run] - il0, geometry.trace_xl[run]] = data
-            amp[il0:il1] = slab
-    stats = running.result(nonfinite)
+        if plan.dtype == "float16":
+            _float16_transform(plan, reader, layout.n_traces)
+        root = zarr.open_group(storage.zarr_store(store_url), mode="a", zarr_format=3)
+        amp = _create_arrays(root, plan, geometry, layout, headers)
+
+        def work(unit: tuple[int, int, int, int]) -> _Moments:
+            il0, il1, xl0, xl1 = unit
+            data, moments = _read_unit(reader, cells[il0:il1, xl0:xl1], layout.samples, stride, opts)
+            if moments.n == 0:
+                return moments  # all holes: nothing to write (zarr would skip the empty shard anyway)
+            amp[il0:il1, xl0:xl1, :] = _encode(data, cells[il0:il1, xl0:xl1] >= 0, plan)
+            return moments
+
+        total = _Moments()
+        units = plan.units
+        bar = _progress(len(units), layout.name, progress)
+
+        def merge(moments: _Moments) -> None:
+            total.merge(moments)
+            bar.update(1)
+            if total.nonfinite and opts.nonfinite == "refuse":
+                t = total.first_nonfinite
+                raise SFMError(
+                    f"{layout.name} has NaN/inf samples (first in trace #{t + 1}, inline "
+                    f"{int(geometry.inlines[geometry.trace_il[t]])}, crossline "
+                    f"{int(geometry.crosslines[geometry.trace_xl[t]])}); fix the file, or ingest without "
+                    "--refuse-nonfinite to replace them by 0 and count them")
+
+        with ThreadPoolExecutor(max_workers=opts.n_workers, thread_name_prefix="sfm-ingest") as pool:
+            pending: deque = deque()
+            try:
+                for unit in units:  # at most 2 units per worker in flight: memory stays bounded
+                    pending.append(pool.submit(work, unit))
+                    while len(pending) >= 2 * opts.n_workers:
+                        merge(pending.popleft().result())
+                while pending:
+                    merge(pending.popleft().result())
+            except BaseException:
+                for future in pending:
+                    future.cancel()
+                raise
+            finally:
+                bar.close()
+    stats = total.result(layout.n_traces)
     attrs["stats"] = stats
+    attrs["store"] = {"bricks": list(plan.bricks), "shards": list(plan.shards), "shard_index": "start",
+                      "codec": "blosc zstd clevel 1 shuffle", "dtype": plan.dtype}
+    if plan.dtype == "float16":
+        attrs["amplitude_transform"] = {"kind": "standardise", "stored_dtype": "float16",
+                                        "offset": plan.offset, "scale": plan.scale, "hole_value": plan.hole,
+                                        "decode": "amplitude = stored * scale + offset"}
     validate("survey_store", attrs, f"survey store {store_url}")
-    root.attrs.update(attrs)
+    root.attrs.put(attrs)  # replaces everything, so nothing of an earlier attempt's attributes survives
     with warnings.catch_warnings():  # consolidated metadata is a zarr-python extension to v3; xarray uses it
         warnings.simplefilter("ignore", category=UserWarning)
         zarr.consolidate_metadata(root.store)
     return stats
 
 
-def _contiguous_runs(indices: np.ndarray) -> list[np.ndarray]:
-    """Split sorted trace numbers into runs of consecutive numbers (one segyio read each)."""
-    if indices.size == 0:
-        return []
-    breaks = np.nonzero(np.diff(indices) != 1)[0] + 1
-    return np.split(indices, breaks)
+def _read_unit(reader: TraceReader, cells: np.ndarray, ns: int, stride: int, opts: IngestOptions
+               ) -> tuple[np.ndarray, _Moments]:
+    """One brick column: traces of ``cells`` [a, b] (trace numbers, -1 holes) -> (data [a, b, NS] float32, moments)."""
+    data = np.zeros((*cells.shape, ns), dtype=np.float32)
+    moments = _Moments()
+    li, lj = np.nonzero(cells >= 0)
+    if li.size == 0:
+        return data, moments
+    traces = cells[li, lj]
+    order = np.argsort(traces, kind="stable")
+    traces, li, lj = traces[order], li[order], lj[order]
+    breaks = np.nonzero(np.diff(traces) != 1)[0] + 1
+    for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, len(traces)]):
+        start, stop = int(traces[lo]), int(traces[hi - 1]) + 1
+        i, j = li[lo:hi], lj[lo:hi]
+        in_place = True
+        if i[0] == i[-1] and j[-1] - j[0] == hi - lo - 1:  # along a crossline row: read straight into place
+            block = data[i[0], j[0] : j[-1] + 1]
+        elif j[0] == j[-1] and i[-1] - i[0] == hi - lo - 1:  # along an inline column (crossline-sorted)
+            block = data[i[0] : i[-1] + 1, j[0]]
+        else:
+            block, in_place = np.empty((stop - start, ns), dtype=np.float32), False
+        reader.read_into(start, stop, block)
+        if not (np.isfinite(block.min()) and np.isfinite(block.max())):
+            bad = ~np.isfinite(block)
+            moments.nonfinite += int(bad.sum())
+            if moments.first_nonfinite < 0:
+                moments.first_nonfinite = start + int(np.nonzero(bad.any(axis=1))[0][0])
+            block[bad] = 0.0
+        if not in_place:
+            data[i, j] = block
+        moments.add_block(block)
+        keep = np.nonzero(np.arange(start, stop) % stride == 0)[0]
+        if keep.size:
+            moments.sample.append(block[keep].copy())
+    return data, moments
+
+
+def _encode(data: np.ndarray, live: np.ndarray, plan: _Plan) -> np.ndarray:
+    """The stored values of ``data`` [a, b, NS]: itself (float32), or standardised float16."""
+    if plan.dtype == "float32":
+        return data
+    data -= np.float32(plan.offset)
+    data *= np.float32(1.0 / plan.scale)
+    np.clip(data, -FLOAT16_MAX, FLOAT16_MAX, out=data)
+    stored = data.astype(np.float16)
+    stored[~live] = np.float16(plan.hole)
+    return stored
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, name: str, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"ingest {name}", unit="column", file=sys.stderr, leave=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# readers
 
 
 def open_survey(store_url: str):
-    """The survey as an xarray Dataset (lazy; amplitude is dask/zarr-backed)."""
+    """The survey as an xarray Dataset (lazy), after checking its attributes against the contract."""
     import xarray as xr
 
+    read_store_attrs(store_url)
     if storage.is_s3(store_url):
         return xr.open_zarr(store_url, storage_options=storage.s3_storage_options(), zarr_format=3)
     return xr.open_zarr(storage.normalize(store_url), zarr_format=3)
@@ -228,4 +517,4 @@ def stats_of(row: dict[str, Any]) -> dict[str, Any]:
     return json.loads(row["stats_json"])
 
 
-__all__ = ["ingest_survey", "open_survey", "survey_store_url", "stats_of", "resolve_sources"]
+__all__ = ["ingest_survey", "open_survey", "survey_store_url", "stats_of", "resolve_sources", "IngestOptions"]

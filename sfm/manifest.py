@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 from sfm import storage
 from sfm.contracts import validate
 
-COLUMNS = ["survey_id", "name", "source_url", "store_url", "shape", "live_traces", "checksum_sha256",
-           "sample_format", "sample_interval_us", "ingested_at", "stats_json"]
+COLUMNS = ["survey_id", "name", "source_url", "store_url", "shape", "live_traces", "checksum",
+           "sample_format", "sample_interval_us", "dtype", "ingested_at", "stats_json"]
 
 
 def rows_url(data_root: str) -> str:
@@ -33,13 +33,17 @@ def row_url(data_root: str, survey_id: str) -> str:
     return storage.join(rows_url(data_root), f"{survey_id}.parquet")
 
 
-def publish(data_root: str, row: dict[str, Any]) -> None:
-    """Make a survey visible: validate its row and write it in one atomic step."""
+def publish(data_root: str, row: dict[str, Any]) -> bool:
+    """Make a survey visible: validate its row and create it in one atomic step.
+
+    Returns False (and changes nothing) when the survey's row already exists: two ingests of the same
+    content racing each other publish exactly one row.
+    """
     validate("manifest_row", row, f"manifest row for {row.get('name', '?')}")
     table = pa.Table.from_pylist([row])
     buf = io.BytesIO()
     pq.write_table(table, buf)
-    storage.write_bytes(row_url(data_root, row["survey_id"]), buf.getvalue())
+    return storage.write_bytes_if_absent(row_url(data_root, row["survey_id"]), buf.getvalue())
 
 
 def get_row(data_root: str, survey_id: str) -> dict[str, Any] | None:

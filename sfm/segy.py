@@ -1,14 +1,28 @@
-"""Reading post-stack 3D SEG-Y: byte order, geometry from trace headers, traces in slabs.
+"""Reading post-stack 3D SEG-Y: byte order, geometry from trace headers, traces in runs.
 
-Trace headers are read straight from the file bytes (a numpy memmap), so inline/crossline numbers
-can sit at any 4-byte position of the 240-byte trace header; samples are read and converted by
-segyio, which knows every sample format. Problems a user can cause raise :class:`SFMError` naming
-the file and the fix.
+The file is read in two passes, both in bounded memory:
+
+1. :func:`scan_file` reads every byte once, in fixed blocks on all cores: it digests the content
+   (the survey's identity) and keeps a few integer fields of each 240-byte trace header (any 4- or
+   2-byte position, not only the fields segyio names).
+2. :class:`TraceReader` reads runs of consecutive traces with ``os.pread`` and converts their samples
+   to float32: numpy for the integer and IEEE formats, segyio's own converter for IBM floats, so the
+   values equal what ``segyio`` reads in every format segyio supports (1, 2, 3, 5, 6, 8, 9, 10, 11,
+   12, 16), in either byte order, with or without SEG-Y rev 2 trace header extensions.
+
+:func:`build_geometry` turns the header fields into a full regular (inline, crossline) grid and
+refuses what ingest cannot store faithfully: pre-stack gathers, duplicate traces, grids far sparser
+than their traces, trace headers that contradict the binary header. Problems a user can cause raise
+:class:`SFMError` naming the file and the fix.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,9 +32,36 @@ from sfm.errors import SFMError
 TEXT_HEADER_BYTES = 3200
 BINARY_HEADER_BYTES = 400
 TRACE_HEADER_BYTES = 240
-# sample format code -> bytes per sample (SEG-Y rev 2)
-SAMPLE_BYTES = {1: 4, 2: 4, 3: 2, 5: 4, 6: 8, 8: 1, 9: 8, 10: 4, 11: 2, 12: 8, 16: 1}
-COMMON_BYTE_PAIRS = [(189, 193), (9, 21), (181, 185), (221, 225)]
+
+# sample format code -> (description, numpy type code in the file or None for IBM float, bytes per sample)
+SAMPLE_FORMATS = {
+    1: ("4-byte IBM float", None, 4),
+    2: ("4-byte signed integer", "i4", 4),
+    3: ("2-byte signed integer", "i2", 2),
+    5: ("4-byte IEEE float", "f4", 4),
+    6: ("8-byte IEEE float", "f8", 8),
+    8: ("1-byte signed integer", "i1", 1),
+    9: ("8-byte signed integer", "i8", 8),
+    10: ("4-byte unsigned integer", "u4", 4),
+    11: ("2-byte unsigned integer", "u2", 2),
+    12: ("8-byte unsigned integer", "u8", 8),
+    16: ("1-byte unsigned integer", "u1", 1),
+}
+SAMPLE_BYTES = {code: spec[2] for code, spec in SAMPLE_FORMATS.items()}
+# defined by SEG-Y but not read by segyio (it silently falls back to IBM float for them)
+UNSUPPORTED_FORMATS = {4: "4-byte fixed-point with gain", 7: "3-byte signed integer", 15: "3-byte unsigned integer"}
+
+DEFAULT_BYTE_PAIR = (189, 193)
+COMMON_BYTE_PAIRS = [DEFAULT_BYTE_PAIR, (9, 21), (181, 185), (221, 225)]
+OFFSET_FIELD = (37, 4)
+SCALAR_FIELD = (71, 2)
+SAMPLE_COUNT_FIELD = (115, 2)
+CDP_X_FIELD = (181, 4)
+CDP_Y_FIELD = (185, 4)
+BYTE_ORDER_CONSTANT = 0x01020304  # SEG-Y rev 2, byte 3297, written in the file's byte order
+
+SCAN_BLOCK_BYTES = 16 << 20  # the content digest hashes the file in blocks of this size, on all cores
+DIGEST_ALGORITHM = "sha256 over the sha256 digests of consecutive 16 MiB blocks (sfm-blocks-v1)"
 
 
 @dataclass
@@ -34,23 +75,34 @@ class SegyLayout:
     sample_interval_us: int
     n_traces: int
     data_offset: int  # first trace header's byte offset
+    trace_header_bytes: int = TRACE_HEADER_BYTES  # 240 per header, more with rev 2 trace header extensions
+    revision: str = "0.0"
+    endian_source: str = "given"  # how the byte order was decided
 
     @property
     def trace_bytes(self) -> int:
-        return TRACE_HEADER_BYTES + self.samples * SAMPLE_BYTES[self.sample_format]
+        return self.trace_header_bytes + self.samples * SAMPLE_BYTES[self.sample_format]
+
+    @property
+    def format_name(self) -> str:
+        return SAMPLE_FORMATS[self.sample_format][0]
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(str(self.path).rstrip("/"))
 
 
 @dataclass
 class SurveyGeometry:
-    """The regular (inline, crossline) grid the traces sit on.
+    """The full regular (inline, crossline) grid the traces sit on.
 
     ``trace_il[t]``/``trace_xl[t]`` are grid indices of trace t; cells without a trace are holes.
     """
 
-    inlines: np.ndarray  # [IL] int32 line numbers
+    inlines: np.ndarray  # [IL] int32 line numbers, evenly spaced
     crosslines: np.ndarray  # [XL] int32
-    trace_il: np.ndarray  # [T] int64 index into inlines
-    trace_xl: np.ndarray  # [T] int64 index into crosslines
+    trace_il: np.ndarray  # [T] int32 index into inlines
+    trace_xl: np.ndarray  # [T] int32 index into crosslines
     iline_byte: int
     xline_byte: int
     extra: dict = field(default_factory=dict)
@@ -59,12 +111,15 @@ class SurveyGeometry:
     def shape(self) -> tuple[int, int]:
         return len(self.inlines), len(self.crosslines)
 
+    def cell_traces(self) -> np.ndarray:
+        """Trace number of every grid cell, -1 for holes: [IL, XL] int64."""
+        cells = np.full(self.shape, -1, dtype=np.int64)
+        cells[self.trace_il, self.trace_xl] = np.arange(len(self.trace_il))
+        return cells
 
-def _header_field(raw: np.ndarray, byte: int, endian: str, size: int = 4) -> np.ndarray:
-    """Integer field at 1-based ``byte`` of every trace header. raw: [T, trace_bytes] uint8."""
-    dtype = np.dtype(f"{'>' if endian == 'big' else '<'}i{size}")
-    cols = raw[:, byte - 1 : byte - 1 + size]
-    return np.ascontiguousarray(cols).view(dtype).reshape(-1).astype(np.int64)
+
+# ------------------------------------------------------------------------------------------------
+# binary header
 
 
 def read_layout(path: str, endian: str = "auto") -> SegyLayout:
@@ -74,148 +129,429 @@ def read_layout(path: str, endian: str = "auto") -> SegyLayout:
     return layout_from_header(path, head, os.path.getsize(path), endian)
 
 
+def _binary_fields(binary: bytes, order: str) -> dict[str, int]:
+    """The binary-header fields the layout needs, read in byte order ``order``."""
+
+    def unsigned(pos: int, size: int = 2) -> int:  # pos: 1-based byte position in the file
+        start = pos - TEXT_HEADER_BYTES - 1
+        return int.from_bytes(binary[start : start + size], order, signed=False)
+
+    def signed(pos: int, size: int = 2) -> int:
+        start = pos - TEXT_HEADER_BYTES - 1
+        return int.from_bytes(binary[start : start + size], order, signed=True)
+
+    major, minor = binary[300], binary[301]  # bytes 3501/3502: revision, one byte each
+    fields = {
+        "format": signed(3225), "samples": unsigned(3221), "interval": unsigned(3217),
+        "ext_text_headers": signed(3505), "major": major, "minor": minor,
+        "trace_header_ext": 0, "first_trace_offset": 0,
+    }
+    if major >= 2:  # rev 2 fields; older files may hold anything at these bytes
+        fields["trace_header_ext"] = unsigned(3507)
+        fields["samples"] = unsigned(3269, 4) or fields["samples"]
+        if minor >= 1 or major > 2:
+            fields["first_trace_offset"] = unsigned(3509, 8)
+    return fields
+
+
+def _format_problem(fmt: int) -> str | None:
+    if fmt in SAMPLE_FORMATS:
+        return None
+    if fmt in UNSUPPORTED_FORMATS:
+        return f"sample format {fmt} ({UNSUPPORTED_FORMATS[fmt]}) is not read by segyio"
+    return f"sample format code {fmt} is not a SEG-Y format"
+
+
 def layout_from_header(path: str, head: bytes, size: int, endian: str = "auto") -> SegyLayout:
-    """The layout from the first 3600 bytes and the file size (works for remote files too)."""
+    """The layout from the first 3600 bytes and the file size (works for remote files too).
+
+    Byte order: ``endian`` when given; else the rev-2 constant at byte 3297; else the order in which
+    the binary header holds a valid sample format code and a plausible sample count.
+    """
     name = os.path.basename(str(path).rstrip("/"))
+    if endian not in ("auto", "big", "little"):
+        raise SFMError(f"--endian {endian!r} is not a byte order; use auto, big or little")
     if size < TEXT_HEADER_BYTES + BINARY_HEADER_BYTES:
         raise SFMError(f"{name} is not SEG-Y: {size} bytes is shorter than the 3600-byte file header")
-    binary = head[TEXT_HEADER_BYTES:]
+    binary = head[TEXT_HEADER_BYTES : TEXT_HEADER_BYTES + BINARY_HEADER_BYTES]
 
-    def field16(offset: int, order: str) -> int:  # offset: 1-based position within the file
-        start = offset - TEXT_HEADER_BYTES - 1
-        return int.from_bytes(binary[start : start + 2], order, signed=True)
-
-    candidates = ["big", "little"] if endian == "auto" else [endian]
-    if endian == "auto":  # rev-2 byte-order constant 0x01020304 at byte 3297, in the file's order
-        for order in ("big", "little"):
-            if int.from_bytes(binary[96:100], order) == 0x01020304:
-                candidates = [order]
-    for order in candidates:
-        fmt, samples, interval = field16(3225, order), field16(3221, order), field16(3217, order)
-        if fmt in SAMPLE_BYTES and samples > 0:
-            break
+    if endian != "auto":
+        order, source = endian, "given (--endian)"
+    elif int.from_bytes(binary[96:100], "big") == BYTE_ORDER_CONSTANT:
+        order, source = "big", "rev-2 byte-order constant (byte 3297)"
+    elif int.from_bytes(binary[96:100], "little") == BYTE_ORDER_CONSTANT:
+        order, source = "little", "rev-2 byte-order constant (byte 3297)"
     else:
-        if endian == "auto":
+        plausible = []
+        for candidate in ("big", "little"):
+            f = _binary_fields(binary, candidate)
+            if _format_problem(f["format"]) is None and f["samples"] > 0:
+                plausible.append(candidate)
+        if len(plausible) == 2:  # both readings look valid: keep the one whose traces fill the file exactly
+            whole = [o for o in plausible if _layout(name, path, binary, size, o, "").n_traces_exact]
+            plausible = whole if len(whole) == 1 else plausible
+        if len(plausible) != 1:
+            what = "no byte order" if not plausible else "both byte orders"
             raise SFMError(
-                f"{name} is not readable SEG-Y: no byte order gives a valid sample format code and sample "
-                "count in the binary header; pass --endian big|little if you know it"
+                f"{name} is not readable SEG-Y: {what} gives a valid sample format code and sample count in the "
+                "binary header (bytes 3221-3226); pass --endian big|little if you know it"
             )
-        raise SFMError(f"{name}: the binary header read as {endian}-endian has format code {fmt} and {samples} samples; "
-                       "try the other --endian")
-    ext_headers = max(0, field16(3505, order))
-    data_offset = TEXT_HEADER_BYTES + BINARY_HEADER_BYTES + ext_headers * TEXT_HEADER_BYTES
-    trace_bytes = TRACE_HEADER_BYTES + samples * SAMPLE_BYTES[fmt]
-    n_traces, rest = divmod(size - data_offset, trace_bytes)
-    if n_traces <= 0:
-        raise SFMError(f"{name} has a file header but no traces; nothing to ingest")
-    if rest:
-        raise SFMError(
-            f"{name} is truncated or inconsistent: {size - data_offset} trace bytes are not a whole number of "
-            f"{trace_bytes}-byte traces ({samples} samples, format {fmt}); re-export or re-download the file"
-        )
-    return SegyLayout(str(path), order, fmt, samples, max(0, interval), n_traces, data_offset)
+        order, source = plausible[0], "format code and sample count (bytes 3221-3226)"
+    layout = _layout(name, path, binary, size, order, source)
+    return layout.checked(name, size)
 
 
-def trace_headers(layout: SegyLayout) -> np.ndarray:
-    """All trace headers as a read-only view [T, 240] uint8 (a memmap, not loaded into memory)."""
-    records = np.memmap(layout.path, dtype=np.uint8, mode="r", offset=layout.data_offset,
-                        shape=(layout.n_traces, layout.trace_bytes))
-    return records[:, :TRACE_HEADER_BYTES]
+def _layout(name: str, path: str, binary: bytes, size: int, order: str, source: str) -> "_LayoutCheck":
+    f = _binary_fields(binary, order)
+    return _LayoutCheck(name, str(path), size, order, source, f)
 
 
-def build_geometry(layout: SegyLayout, iline_byte: int | None = None, xline_byte: int | None = None,
-                   max_sparsity: float = 10.0) -> SurveyGeometry:
-    """Inline/crossline grid from the headers at the given bytes, or the first common pair that works."""
-    name = os.path.basename(layout.path)
-    headers = trace_headers(layout)
+class _LayoutCheck:
+    """A reading of the binary header in one byte order, with the checks that make it a layout."""
+
+    def __init__(self, name: str, path: str, size: int, order: str, source: str, f: dict[str, int]):
+        self.name, self.path, self.size, self.order, self.source, self.f = name, path, size, order, source, f
+        fmt, samples = f["format"], f["samples"]
+        self.valid = _format_problem(fmt) is None and samples > 0
+        ext = max(0, f["ext_text_headers"])
+        self.data_offset = f["first_trace_offset"] or TEXT_HEADER_BYTES + BINARY_HEADER_BYTES + ext * TEXT_HEADER_BYTES
+        self.trace_header_bytes = TRACE_HEADER_BYTES * (1 + f["trace_header_ext"])
+        self.trace_bytes = self.trace_header_bytes + samples * SAMPLE_BYTES.get(fmt, 0) if self.valid else 0
+        self.n_traces, self.rest = divmod(max(0, size - self.data_offset), self.trace_bytes) if self.valid else (0, 0)
+        self.n_traces_exact = self.valid and self.n_traces > 0 and self.rest == 0
+
+    def checked(self, name: str, size: int) -> SegyLayout:
+        f = self.f
+        fmt, samples = f["format"], f["samples"]
+        problem = _format_problem(fmt)
+        if problem:
+            hint = "convert the file to IEEE or IBM float" if fmt in UNSUPPORTED_FORMATS else \
+                f"try --endian {'little' if self.order == 'big' else 'big'}"
+            raise SFMError(f"{name}: {problem} (binary header byte 3225, read {self.order}-endian); {hint}")
+        if samples <= 0:
+            raise SFMError(f"{name}: the binary header says 0 samples per trace (byte 3221, read {self.order}-endian); "
+                           "the file header is damaged or the byte order is wrong: try --endian")
+        if f["ext_text_headers"] < 0:
+            raise SFMError(f"{name} has a variable number of extended textual headers (byte 3505 = -1), which "
+                           "ingest does not read; rewrite the file with a fixed count")
+        if self.n_traces == 0 and self.rest == 0:
+            raise SFMError(f"{name} has a file header but no traces; nothing to ingest")
+        if self.rest:
+            raise SFMError(
+                f"{name} is truncated or inconsistent: {size - self.data_offset} trace bytes are not a whole number "
+                f"of {self.trace_bytes}-byte traces ({samples} samples of format {fmt}, "
+                f"{self.trace_header_bytes}-byte trace headers): the last trace has {self.rest} bytes; "
+                "re-export or re-download the file"
+            )
+        return SegyLayout(self.path, self.order, fmt, samples, f["interval"], self.n_traces, self.data_offset,
+                          self.trace_header_bytes, f"{f['major']}.{f['minor']}", self.source)
+
+
+# ------------------------------------------------------------------------------------------------
+# one pass over the file: content digest and trace header fields
+
+
+def scan_file(layout: SegyLayout, fields: list[tuple[int, int]], workers: int | None = None
+              ) -> tuple[str, dict[tuple[int, int], np.ndarray]]:
+    """Digest the whole file and read trace header ``fields`` [(1-based byte, width 2 or 4)], in one pass.
+
+    The file is read in :data:`SCAN_BLOCK_BYTES` blocks by ``workers`` threads (hashlib and pread
+    release the GIL), so memory stays at one block per worker whatever the file size.
+
+    Returns:
+        digest: hex sha256 over the size and the sha256 of every block (see :data:`DIGEST_ALGORITHM`).
+        values: {(byte, width): int32 [T]} signed integers in the file's byte order.
+    """
+    size = os.path.getsize(layout.path)
+    n_blocks = max(1, -(-size // SCAN_BLOCK_BYTES))
+    fields = sorted(set(fields))
+    values = {f: np.empty(layout.n_traces, dtype=np.int32) for f in fields}
+    digests: list[bytes] = [b""] * n_blocks
+    order = ">" if layout.endian == "big" else "<"
+    local = threading.local()
+    fd = os.open(layout.path, os.O_RDONLY)
+
+    def headers_in(start: int, data: memoryview) -> None:
+        """Copy the fields of the trace headers that start inside [start, start + len(data))."""
+        tb, off, hb = layout.trace_bytes, layout.data_offset, TRACE_HEADER_BYTES
+        first = max(0, -(-(start - off) // tb))
+        last = min(layout.n_traces, (start + len(data) - off + tb - 1) // tb)  # exclusive
+        if last <= first:
+            return
+        whole_last = min(last, (start + len(data) - off - hb) // tb + 1)  # headers entirely inside
+        buf = np.frombuffer(data, dtype=np.uint8)
+        if whole_last > first:
+            base = off + first * tb - start
+            rows = np.lib.stride_tricks.as_strided(buf[base:], shape=(whole_last - first, hb), strides=(tb, 1))
+            for byte, width in fields:
+                col = np.ascontiguousarray(rows[:, byte - 1 : byte - 1 + width]).view(f"{order}i{width}")
+                values[(byte, width)][first:whole_last] = col.ravel()
+        for t in range(max(first, whole_last), last):  # a header cut by the block's end: read it whole
+            raw = np.frombuffer(os.pread(fd, hb, off + t * tb), dtype=np.uint8)
+            for byte, width in fields:
+                values[(byte, width)][t] = raw[byte - 1 : byte - 1 + width].view(f"{order}i{width}")[0]
+
+    def one_block(k: int) -> None:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = bytearray(SCAN_BLOCK_BYTES)
+        start = k * SCAN_BLOCK_BYTES
+        n = os.preadv(fd, [memoryview(buf)[: min(SCAN_BLOCK_BYTES, size - start)]], start)
+        view = memoryview(buf)[:n]
+        digests[k] = hashlib.sha256(view).digest()
+        headers_in(start, view)
+
+    try:
+        with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool:
+            list(pool.map(one_block, range(n_blocks)))
+    finally:
+        os.close(fd)
+    top = hashlib.sha256(f"sfm-blocks-v1 {size} {SCAN_BLOCK_BYTES}\n".encode())
+    for d in digests:
+        top.update(d)
+    return top.hexdigest(), values
+
+
+def file_digest(path: str) -> str:
+    """The content digest of any local file (same algorithm as :func:`scan_file`)."""
+    size = os.path.getsize(path)
+    blocks = []
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(SCAN_BLOCK_BYTES), b""):
+            blocks.append(hashlib.sha256(block).digest())
+    top = hashlib.sha256(f"sfm-blocks-v1 {size} {SCAN_BLOCK_BYTES}\n".encode())
+    for d in blocks:
+        top.update(d)
+    return top.hexdigest()
+
+
+def header_fields_needed(iline_byte: int | None, xline_byte: int | None) -> list[tuple[int, int]]:
+    """Trace-header fields :func:`build_geometry` and :func:`cdp_coordinates` read."""
     pairs = [(iline_byte, xline_byte)] if iline_byte and xline_byte else COMMON_BYTE_PAIRS
-    problems = []
-    for il_byte, xl_byte in pairs:
-        for byte in (il_byte, xl_byte):
+    fields = {OFFSET_FIELD, SCALAR_FIELD, SAMPLE_COUNT_FIELD, CDP_X_FIELD, CDP_Y_FIELD}
+    for il, xl in pairs:
+        for byte in (il, xl):
             if not 1 <= byte <= TRACE_HEADER_BYTES - 3:
                 raise SFMError(f"byte location {byte} is outside the 240-byte trace header; use 1..237")
-        il = _header_field(headers, il_byte, layout.endian)
-        xl = _header_field(headers, xl_byte, layout.endian)
-        inlines, trace_il = np.unique(il, return_inverse=True)
-        crosslines, trace_xl = np.unique(xl, return_inverse=True)
-        cells = len(inlines) * len(crosslines)
-        if len(inlines) < 2 and len(crosslines) < 2 and layout.n_traces > 1:
-            problems.append(f"{il_byte}/{xl_byte}: every trace has the same numbers")
-            continue
-        flat = trace_il * len(crosslines) + trace_xl
-        counts = np.bincount(flat, minlength=cells)
-        if counts.max() > 1:
-            first = int(np.argmax(counts > 1))
-            pair = (int(inlines[first // len(crosslines)]), int(crosslines[first % len(crosslines)]))
-            problems.append(f"{il_byte}/{xl_byte}: duplicate traces at inline {pair[0]}, crossline {pair[1]}")
-            if iline_byte and xline_byte:
-                raise SFMError(
-                    f"{name} has {int(counts.max())} traces at inline {pair[0]}, crossline {pair[1]} (bytes "
-                    f"{il_byte}/{xl_byte}): duplicate traces or pre-stack data; ingest needs one trace per location"
-                )
-            continue
-        sparsity = cells / layout.n_traces
-        if sparsity > max_sparsity:
-            problems.append(f"{il_byte}/{xl_byte}: grid {len(inlines)}x{len(crosslines)} is {sparsity:.1f}x "
-                            f"larger than the {layout.n_traces} traces")
-            continue
-        return SurveyGeometry(inlines.astype(np.int32), crosslines.astype(np.int32), trace_il, trace_xl,
-                              il_byte, xl_byte, {"fill_ratio": layout.n_traces / cells})
-    raise SFMError(f"{name}: no valid inline/crossline grid ({'; '.join(problems)}); "
-                   "pass --iline-byte/--xline-byte with the header bytes that hold them")
+            fields.add((byte, 4))
+    return sorted(fields)
 
 
-def cdp_coordinates(layout: SegyLayout, geometry: SurveyGeometry) -> tuple[np.ndarray, np.ndarray]:
+# ------------------------------------------------------------------------------------------------
+# geometry
+
+
+def check_trace_headers(layout: SegyLayout, headers: dict[tuple[int, int], np.ndarray]) -> None:
+    """Refuse files whose trace headers are not trace headers (e.g. sample data where headers should be).
+
+    The sample count in trace byte 115 may legitimately differ from the binary header's (the binary
+    header governs fixed-length files, and cropped files often keep the original count), but in real
+    trace headers it is the same in every trace that fills it in.
+    """
+    counts = headers[SAMPLE_COUNT_FIELD].astype(np.int64) & 0xFFFF
+    filled = np.nonzero(counts)[0]
+    if filled.size < 2 or (counts[filled] == counts[filled[0]]).all():
+        return
+    first = int(filled[0])
+    other = int(filled[np.argmax(counts[filled] != counts[first])])
+    raise SFMError(
+        f"{layout.name}: the trace headers are missing or damaged: their sample counts (trace byte 115) disagree, "
+        f"trace #{first + 1} says {int(counts[first])} and trace #{other + 1} says {int(counts[other])}, while the "
+        f"binary header says {layout.samples} samples per trace (byte 3221); re-export the file as fixed-length "
+        "SEG-Y with a 240-byte header before every trace"
+    )
+
+
+def _axis(values: np.ndarray) -> tuple[int, int, int]:
+    """(first, step, count) of the evenly spaced axis that holds every value in ``values``."""
+    unique = np.unique(values)
+    if len(unique) == 1:
+        return int(unique[0]), 1, 1
+    step = int(np.gcd.reduce(np.diff(unique)))
+    return int(unique[0]), step, int((unique[-1] - unique[0]) // step) + 1
+
+
+class _GridProblem(Exception):
+    """Why one (inline byte, crossline byte) pair gives no valid grid; ``fatal`` problems stop detection."""
+
+    def __init__(self, message: str, fatal: bool = False):
+        super().__init__(message)
+        self.fatal = fatal
+
+
+def _grid(layout: SegyLayout, headers: dict, il_byte: int, xl_byte: int, max_sparsity: float) -> SurveyGeometry:
+    il = headers[(il_byte, 4)]
+    xl = headers[(xl_byte, 4)]
+    n = layout.n_traces
+    if n > 1 and il.min() == il.max() and xl.min() == xl.max():
+        raise _GridProblem(f"every trace has inline {int(il[0])}, crossline {int(xl[0])}")
+    il0, il_step, n_il = _axis(il)
+    xl0, xl_step, n_xl = _axis(xl)
+    cells = n_il * n_xl
+    if cells / n > max_sparsity:
+        raise _GridProblem(
+            f"the {n_il} x {n_xl} grid (inline step {il_step}, crossline step {xl_step}) has {cells / n:.1f} cells per "
+            f"trace, more than the limit {max_sparsity:g}; if the geometry is right, raise --max-sparsity to "
+            f"{math.ceil(cells / n)}"
+        )
+    trace_il = ((il.astype(np.int64) - il0) // il_step).astype(np.int32)
+    trace_xl = ((xl.astype(np.int64) - xl0) // xl_step).astype(np.int32)
+    flat = trace_il.astype(np.int64) * n_xl + trace_xl
+    order = np.argsort(flat, kind="stable")  # equal cells keep file order
+    repeat = np.nonzero(flat[order][1:] == flat[order][:-1])[0]
+    if repeat.size:
+        later = order[repeat + 1]  # the second (or later) trace at a repeated cell
+        k = int(np.argmin(later))
+        t2, t1 = int(later[k]), int(order[repeat[k]])
+        at = f"inline {int(il[t2])}, crossline {int(xl[t2])}"
+        offsets = headers[OFFSET_FIELD]
+        dup_cells = flat[later]
+        dup_offsets = offsets[later] != offsets[order[repeat]]
+        if dup_offsets.any():
+            per_cell = n / max(1, len(np.unique(flat)))
+            n_offsets = len(np.unique(offsets))
+            raise _GridProblem(
+                f"{layout.name} is pre-stack data: {n_offsets} offsets (trace byte 37) and {per_cell:.1f} traces per "
+                f"(inline, crossline) location, e.g. {at} (bytes {il_byte}/{xl_byte}); ingest takes post-stack cubes "
+                "only: stack the gathers or keep one offset first", fatal=True)
+        raise _GridProblem(
+            f"duplicate traces: {at} appears at trace #{t1 + 1} and #{t2 + 1} "
+            f"({len(np.unique(dup_cells))} locations have more than one trace)")
+    inlines = (il0 + il_step * np.arange(n_il)).astype(np.int32)
+    crosslines = (xl0 + xl_step * np.arange(n_xl)).astype(np.int32)
+    return SurveyGeometry(inlines, crosslines, trace_il, trace_xl, il_byte, xl_byte,
+                          {"fill_ratio": n / cells, "inline_step": il_step, "crossline_step": xl_step})
+
+
+def build_geometry(layout: SegyLayout, headers: dict[tuple[int, int], np.ndarray], iline_byte: int | None = None,
+                   xline_byte: int | None = None, max_sparsity: float = 10.0) -> SurveyGeometry:
+    """The (inline, crossline) grid from the headers at the given bytes, or found among the common pairs.
+
+    Without given bytes, 189/193 is tried first, then 9/21, 181/185 and 221/225; the pair used is
+    recorded in ``extra["byte_locations"]`` ("given", "default" or "detected").
+    """
+    name = layout.name
+    if bool(iline_byte) != bool(xline_byte):
+        raise SFMError("give both --iline-byte and --xline-byte, or neither to detect them")
+    check_trace_headers(layout, headers)
+    given = bool(iline_byte and xline_byte)
+    pairs = [(iline_byte, xline_byte)] if given else COMMON_BYTE_PAIRS
+    problems: list[tuple[tuple[int, int], _GridProblem]] = []
+    for il_byte, xl_byte in pairs:
+        try:
+            geometry = _grid(layout, headers, il_byte, xl_byte, max_sparsity)
+        except _GridProblem as problem:
+            if problem.fatal:
+                raise SFMError(str(problem)) from None
+            problems.append(((il_byte, xl_byte), problem))
+            continue
+        geometry.extra["byte_locations"] = "given" if given else (
+            "default" if (il_byte, xl_byte) == DEFAULT_BYTE_PAIR else "detected")
+        geometry.extra["byte_pairs_rejected"] = {f"{a}/{b}": str(p) for (a, b), p in problems}
+        return geometry
+    (il_byte, xl_byte), first = problems[0]
+    if given:
+        raise SFMError(f"{name}: no valid inline/crossline grid at bytes {il_byte}/{xl_byte}: {first}; "
+                       "check --iline-byte/--xline-byte")
+    others = "; ".join(f"{a}/{b}: {p}" for (a, b), p in problems[1:])
+    raise SFMError(f"{name}: no valid inline/crossline grid at bytes {il_byte}/{xl_byte}: {first}; nor at the other "
+                   f"common byte pairs ({others}); pass --iline-byte/--xline-byte with the header bytes that hold them")
+
+
+def cdp_coordinates(geometry: SurveyGeometry, headers: dict[tuple[int, int], np.ndarray]
+                    ) -> tuple[np.ndarray, np.ndarray, int]:
     """CDP X/Y (bytes 181/185) scaled by the coordinate scalar (byte 71), on the grid [IL, XL] float64.
 
-    Holes are NaN.
+    Holes are NaN. Also returns the most common raw scalar (recorded with the store).
     """
-    headers = trace_headers(layout)
-    scalar = _header_field(headers, 71, layout.endian, size=2).astype(np.float64)
+    scalar = headers[SCALAR_FIELD].astype(np.float64)
     factor = np.where(scalar < 0, 1.0 / np.where(scalar == 0, 1, -scalar), np.where(scalar == 0, 1.0, scalar))
-    cx = _header_field(headers, 181, layout.endian) * factor
-    cy = _header_field(headers, 185, layout.endian) * factor
     grid_x = np.full(geometry.shape, np.nan)
     grid_y = np.full(geometry.shape, np.nan)
-    grid_x[geometry.trace_il, geometry.trace_xl] = cx
-    grid_y[geometry.trace_il, geometry.trace_xl] = cy
-    return grid_x, grid_y
+    grid_x[geometry.trace_il, geometry.trace_xl] = headers[CDP_X_FIELD] * factor
+    grid_y[geometry.trace_il, geometry.trace_xl] = headers[CDP_Y_FIELD] * factor
+    values, counts = np.unique(headers[SCALAR_FIELD], return_counts=True)
+    return grid_x, grid_y, int(values[np.argmax(counts)])
 
 
-def text_header(layout: SegyLayout) -> str:
-    """The 3200-byte textual header decoded as EBCDIC or ASCII, whichever reads as text."""
+def text_header(layout: SegyLayout) -> tuple[str, str]:
+    """The 3200-byte textual header decoded as EBCDIC or ASCII, whichever reads as text, and which it was."""
     with open(layout.path, "rb") as fh:
         raw = fh.read(TEXT_HEADER_BYTES)
-    ascii_text = raw.decode("ascii", errors="replace")
+    return decode_text_header(raw)
+
+
+def decode_text_header(raw: bytes) -> tuple[str, str]:
+    """(text in 40 lines of 80 columns, right-stripped; "ebcdic" | "ascii" | "empty")."""
+    ascii_score = sum(32 <= b < 127 for b in raw)
     ebcdic_text = raw.decode("cp037", errors="replace")
+    ebcdic_score = sum(32 <= ord(ch) < 127 for ch in ebcdic_text)
+    if max(ascii_score, ebcdic_score) == 0:
+        return "", "empty"
+    if ebcdic_score > ascii_score:
+        text, encoding = ebcdic_text, "ebcdic"
+    else:
+        text, encoding = raw.decode("ascii", errors="replace"), "ascii"
+    text = "".join(ch if ch.isprintable() else " " for ch in text)
+    return "\n".join(text[i : i + 80].rstrip() for i in range(0, len(text), 80)).rstrip(), encoding
 
-    def printable(text: str) -> int:
-        return sum(ch.isprintable() for ch in text)
 
-    text = ebcdic_text if printable(ebcdic_text) > printable(ascii_text) else ascii_text
-    return "\n".join(text[i : i + 80].rstrip() for i in range(0, len(text), 80)).rstrip("\x00 \n")
+# ------------------------------------------------------------------------------------------------
+# samples
 
 
 class TraceReader:
-    """Reads trace samples as float32 through segyio, which converts every sample format."""
+    """Reads runs of consecutive traces and converts their samples to float32; safe to share by threads.
+
+    Integer and IEEE formats are cast by numpy (exactly what ``np.asarray(segyio_trace, float32)``
+    gives); IBM floats go through segyio's own converter.
+    """
 
     def __init__(self, layout: SegyLayout):
-        import segyio
-
         self.layout = layout
-        try:
-            self._file = segyio.open(layout.path, mode="r", ignore_geometry=True, endian=layout.endian)
-        except Exception as err:  # segyio raises RuntimeError/ValueError/OSError for bad files
-            raise SFMError(f"{os.path.basename(layout.path)} cannot be read by segyio ({err}); "
-                           "check the file is complete post-stack SEG-Y") from err
+        code = SAMPLE_FORMATS[layout.sample_format][1]
+        order = ">" if layout.endian == "big" else "<"
+        self._dtype = np.dtype(f"{order}{code}") if code else None  # None: IBM float
+        self._fd = os.open(layout.path, os.O_RDONLY)
+        self._local = threading.local()
+
+    def _buffer(self, nbytes: int) -> memoryview:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.buf = bytearray(max(nbytes, 1 << 20))
+        return memoryview(buf)[:nbytes]
+
+    def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
+        """Traces [start, stop) into ``out`` [stop - start, samples] float32 (any writable view)."""
+        lay = self.layout
+        n = stop - start
+        view = self._buffer(n * lay.trace_bytes)
+        got = os.preadv(self._fd, [view], lay.data_offset + start * lay.trace_bytes)
+        if got != len(view):
+            raise SFMError(f"{lay.name} changed while it was read (short read at trace #{start + 1}); "
+                           "ingest a file that is not being written")
+        records = np.frombuffer(view, dtype=np.uint8).reshape(n, lay.trace_bytes)[:, lay.trace_header_bytes :]
+        if self._dtype is not None:
+            np.copyto(out, records.view(self._dtype), casting="unsafe")
+            return
+        import segyio._segyio  # noqa: F401  (segyio.tools.native needs the extension loaded)
+        import segyio.tools
+
+        ibm = np.ascontiguousarray(records).view(np.float32)  # raw bytes, converted in place below
+        if lay.endian == "little":
+            ibm.byteswap(inplace=True)  # segyio's converter expects the big-endian byte layout
+        out[...] = segyio.tools.native(ibm, format=1, copy=False)
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Traces [start, stop) as float32 [stop - start, samples]."""
-        data = self._file.trace.raw[start:stop]
-        return np.asarray(data, dtype=np.float32).reshape(stop - start, self.layout.samples)
+        out = np.empty((stop - start, self.layout.samples), dtype=np.float32)
+        self.read_into(start, stop, out)
+        return out
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def __enter__(self) -> "TraceReader":
         return self
