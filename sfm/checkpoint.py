@@ -7,8 +7,12 @@ Layout under a checkpoint root (local or S3)::
     step-000050/rng-rank0.pt         each rank's RNG states
     step-000050/state.json           step, data position, history; written LAST: marks it complete
 
-A checkpoint without ``state.json`` is incomplete and ignored. Only the newest ``keep`` complete
-checkpoints are kept. If the newest cannot be read, the one before it is used, with a warning.
+A checkpoint without ``state.json`` is incomplete and ignored. Writing one is three moves:
+:func:`begin` (rank 0 clears whatever an earlier attempt left at that step, marker first), then
+:func:`save_rank_rng` on every rank, then :func:`save` on rank 0, which writes ``state.json`` last and
+prunes. Only the newest ``keep`` complete checkpoints are kept; a pruned one loses its marker before
+its files, so no reader ever sees a half-deleted checkpoint as complete. If the newest cannot be
+read, the one before it is used, with a warning.
 """
 
 from __future__ import annotations
@@ -29,20 +33,38 @@ from sfm import storage
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
+MARKER = "state.json"  # written last: a checkpoint folder without it is incomplete
 
 
 def step_dir(root: str, step: int) -> str:
     return storage.join(root, f"step-{step:06d}")
 
 
+def all_steps(root: str) -> list[int]:
+    """Steps of every checkpoint folder under ``root``, complete or not, oldest first."""
+    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, storage.list_dir(root)) if m)
+
+
 def complete_steps(root: str) -> list[int]:
     """Steps of the complete checkpoints under ``root``, oldest first."""
-    steps = []
-    for name in storage.list_dir(root):
-        match = _STEP_DIR.match(name)
-        if match and storage.exists(storage.join(root, name, "state.json")):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+    return [step for step in all_steps(root) if storage.exists(storage.join(step_dir(root, step), MARKER))]
+
+
+def discard(root: str, step: int) -> None:
+    """Remove the checkpoint at ``step``: its completion marker first, then the rest."""
+    url = step_dir(root, step)
+    marker = storage.join(url, MARKER)
+    if storage.exists(marker):
+        storage.remove(marker)
+    storage.remove(url)
+
+
+def begin(root: str, step: int) -> None:
+    """Rank 0, before any rank writes checkpoint ``step``: clear what an earlier attempt left there
+    (a complete checkpoint this run fell back past, or a partial one), so old and new files never
+    mix under one marker."""
+    if step in all_steps(root):
+        discard(root, step)
 
 
 def rng_state() -> dict[str, Any]:
@@ -87,15 +109,18 @@ def save(root: str, step: int, model_state: dict[str, torch.Tensor], optimizer_s
     storage.write_bytes(storage.join(url, "model.safetensors"), save_safetensors(tensors))
     storage.write_bytes(storage.join(url, "optimizer.pt"),
                         _tensor_bytes({"optimizer": optimizer_state, "scheduler": scheduler_state}))
-    storage.write_bytes(storage.join(url, "state.json"), json.dumps({"step": step, **meta}).encode())
-    for old in complete_steps(root)[:-keep] if keep > 0 else []:
-        storage.remove(step_dir(root, old))
+    storage.write_bytes(storage.join(url, MARKER), json.dumps({"step": step, **meta}).encode())
+    complete = complete_steps(root)
+    stale = set(complete[:-keep]) if keep > 0 else set()
+    stale |= {s for s in all_steps(root) if s < step and s not in complete}  # partial leftovers of killed saves
+    for old in sorted(stale):
+        discard(root, old)
     return url
 
 
 def load(url: str, rank: int) -> dict[str, Any]:
     """Read one checkpoint completely (raises if any part is unreadable)."""
-    state = json.loads(storage.read_bytes(storage.join(url, "state.json")))
+    state = json.loads(storage.read_bytes(storage.join(url, MARKER)))
     model = load_safetensors(storage.read_bytes(storage.join(url, "model.safetensors")))
     opt = _load_tensors(storage.read_bytes(storage.join(url, "optimizer.pt")))
     rng_url = storage.join(url, f"rng-rank{rank}.pt")

@@ -1,6 +1,6 @@
 """MAE pretraining on Hugging Face Accelerate; one process per device, launched by torchrun.
 
-``python -m sfm.train JOB.json`` (under ``torchrun``) trains on the surveys named in the job file and
+``python -m sfm.train JOB.json`` (under ``torchrun``, or alone for one process) trains on the surveys named in the job file and
 writes under its ``run_root``::
 
     job_config.json        the resolved JobConfig (written first)
@@ -14,8 +14,8 @@ The job file is JSON: {"config": JobConfig dict, "surveys": [store URLs], "run_r
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
+import functools
 import json
 import logging
 import math
@@ -23,16 +23,18 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from sfm import checkpoint, storage
 from sfm.config import JobConfig
-from sfm.data import BatchStream, CropSampler
+from sfm.data import training_stream
 from sfm.hardware import peak_flops
-from sfm.model import MaskedAutoencoder3D, build_model, mae_config, train_flops_per_sample
-from sfm.model import io as model_io
+from sfm.model import build_model, mae_config, train_flops_per_sample
+from sfm.model import load as load_model
+from sfm.model import save as save_model
+from sfm.train_step import TrainStep, apply_training_options, build_optimizer, lr_at, throughput
 
 log = logging.getLogger("sfm.train")
 
@@ -45,24 +47,10 @@ def model_config_for(cfg: JobConfig):
     return mae_config(cfg.model.preset, **overrides)
 
 
-def lr_at(step: int, cfg: JobConfig) -> float:
-    """Linear warmup to ``train.lr``, then cosine decay to ``train.min_lr`` at ``train.max_steps``."""
+def schedule(cfg: JobConfig) -> Callable[[int], float]:
+    """Learning rate of each optimiser step for this job (warmup + cosine, see train_step.lr_at)."""
     t = cfg.train
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def build_optimizer(model: MaskedAutoencoder3D, cfg: JobConfig) -> torch.optim.Optimizer:
-    """AdamW without weight decay on norms, biases and tokens (as in MAE); fused on CUDA."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 or name.endswith("_token") else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = next(model.parameters()).is_cuda
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas), fused=fused or None)
+    return functools.partial(lr_at, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps)
 
 
 def train(job: dict[str, Any]) -> dict[str, Any] | None:
@@ -73,16 +61,18 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
     cfg = JobConfig.from_dict(job["config"])
     run_root = job["run_root"]
     ckpt_root = storage.join(run_root, "ckpt")
-    if cfg.train.threads_per_process > 0:
-        torch.set_num_threads(cfg.train.threads_per_process)
     cuda = torch.cuda.is_available()
     precision = cfg.train.mixed_precision if cfg.train.mixed_precision != "auto" else ("bf16" if cuda else "no")
     backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if cuda else "gloo")
+    # under torchrun: one process group over all ranks; run directly: a single process, no group
+    group = [InitProcessGroupKwargs(backend=backend, timeout=dt.timedelta(seconds=cfg.dist.timeout_s))]
     tb_dir = tempfile.mkdtemp(prefix="sfm-tb-")
     accelerator = Accelerator(
         cpu=not cuda, mixed_precision=precision, log_with="tensorboard", project_dir=tb_dir,
-        kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=dt.timedelta(seconds=cfg.dist.timeout_s))],
+        kwargs_handlers=group if "WORLD_SIZE" in os.environ else [],
     )
+    if cfg.train.threads_per_process > 0:  # after Accelerator, which sets its own default on CPU
+        torch.set_num_threads(cfg.train.threads_per_process)
     rank, world = accelerator.process_index, accelerator.num_processes
     main = accelerator.is_main_process
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
@@ -90,20 +80,21 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
     torch.manual_seed(cfg.data.seed)  # identical initial weights on every rank
     mcfg = model_config_for(cfg)
     model = build_model(mcfg)
-    model.grad_checkpointing = cfg.train.grad_checkpointing
     if cfg.train.init_from:
-        init = model_io.load(cfg.train.init_from)
-        model.load_state_dict(init.state_dict())
+        model.load_state_dict(load_model(cfg.train.init_from).state_dict())
         log.info("initialised from %s", cfg.train.init_from)
+    apply_training_options(model, grad_checkpointing=cfg.train.grad_checkpointing, compile=cfg.train.compile)
     model = model.to(accelerator.device)
-    optimizer = build_optimizer(model, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / cfg.train.lr)
+    optimizer = build_optimizer(model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=cfg.train.betas)
+    lr_of_step = schedule(cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_of_step(s) / cfg.train.lr)
     # the scheduler is stepped by hand once per optimiser step, whatever the world size
     model, optimizer = accelerator.prepare(model, optimizer)
     torch.manual_seed(cfg.data.seed * 1000 + 17 + rank)  # masks differ across ranks
 
-    start_step, history = 0, []
-    resumed = checkpoint.load_latest(ckpt_root, rank, warn=log.warning)
+    micro_batches = max(1, cfg.train.grad_accum)
+    start_step, history, data_state = 0, [], None
+    resumed = _load_agreed_checkpoint(accelerator, ckpt_root)
     if resumed is not None:
         accelerator.unwrap_model(model).load_state_dict(resumed["model"])
         optimizer.load_state_dict(resumed["optimizer"])
@@ -112,74 +103,71 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
             checkpoint.set_rng_state(resumed["rng"])
         start_step = int(resumed["state"]["step"])
         history = resumed["state"]["history"]
+        data_state = resumed["state"].get("data")
         log.info("resumed from %s at step %d", resumed["url"], start_step)
     elif main:
         storage.write_bytes(storage.join(run_root, "job_config.json"), cfg.to_json().encode())
 
-    micro_batches = max(1, cfg.train.grad_accum)
-    sampler = CropSampler(job["surveys"], cfg.data.crop, seed=cfg.data.seed,
-                          min_live_fraction=cfg.data.min_live_fraction)
-    stream = BatchStream(sampler, cfg.data.batch_size, rank=rank, world_size=world,
-                         start_step=start_step * micro_batches)
+    stream = training_stream(job["surveys"], cfg.data, rank=rank, world_size=world,
+                             start_batch=start_step * micro_batches)
+    if data_state is not None and data_state.get("world_size") == world:
+        stream.load_state_dict(data_state)  # the data position saved with the checkpoint
+    batches = (b.to(accelerator.device, non_blocking=True) for b in stream)
+    train_step = TrainStep(
+        model, optimizer, scheduler, grad_clip=cfg.train.grad_clip, autocast=accelerator.autocast,
+        no_sync=(lambda: accelerator.no_sync(model)) if world > 1 else None,
+        backward=accelerator.backward, clip_grad_norm=accelerator.clip_grad_norm_,
+    )
     flops_per_sample = train_flops_per_sample(mcfg)
     peak = peak_flops(accelerator.device, torch.bfloat16 if precision == "bf16" else torch.float32)
-    voxels_per_sample = math.prod(cfg.data.crop)
+    samples_per_step = micro_batches * cfg.data.batch_size * world
     accelerator.init_trackers("sfm-pretrain", config={"preset": cfg.model.preset, "world_size": world})
 
     from tqdm import tqdm
 
     bar = tqdm(total=cfg.train.max_steps, initial=start_step, disable=not main, desc="pretrain", mininterval=2,
                file=sys.stderr)
-    losses: list[torch.Tensor] = []
-    t_window, steps_in_window, t_start = time.perf_counter(), 0, time.perf_counter()
-    steps_run = 0
+    pending: list[torch.Tensor] = []  # mean loss of each step since history was last written
+    t_start = time.perf_counter()
+    t_window, steps_in_window, paused = t_start, 0, 0.0
     try:
         for step in range(start_step, cfg.train.max_steps):
-            for micro in range(micro_batches):
-                imgs = torch.from_numpy(next(stream)).to(accelerator.device, non_blocking=True)
-                sync = micro == micro_batches - 1
-                ctx = accelerator.no_sync(model) if not sync and world > 1 else contextlib.nullcontext()
-                with ctx, accelerator.autocast():
-                    loss, _, _ = model(imgs)
-                accelerator.backward(loss / micro_batches)
-                losses.append(loss.detach().float())
-            if cfg.train.grad_clip > 0:
-                accelerator.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            pending.append(train_step(batches, micro_batches).mean())
             steps_in_window += 1
-            steps_run += 1
             done = step + 1
-            if done % cfg.train.log_every == 0 or done == cfg.train.max_steps:
-                step_losses = accelerator.reduce(torch.stack(losses).view(-1, micro_batches).mean(1), "mean")
-                losses.clear()
-                elapsed = time.perf_counter() - t_window
-                samples_per_s = steps_in_window * micro_batches * cfg.data.batch_size * world / elapsed
-                first = done - len(step_losses)
-                for i, value in enumerate(step_losses.tolist()):
-                    history.append({"step": first + i + 1, "loss": value})
-                metrics = {
-                    "loss": history[-1]["loss"], "lr": scheduler.get_last_lr()[0], "samples_per_s": samples_per_s,
-                    "voxels_per_s": samples_per_s * voxels_per_sample,
-                    "mfu": flops_per_sample * samples_per_s / world / peak,
-                }
-                history[-1].update({k: v for k, v in metrics.items() if k != "loss"})
+            last = done == cfg.train.max_steps
+            log_now = done % cfg.train.log_every == 0 or last
+            save_now = done % cfg.train.checkpoint_every == 0 or last
+            if log_now or save_now:  # a checkpoint holds the loss of every step before it
+                step_losses = accelerator.reduce(torch.stack(pending), "mean").tolist()
+                history.extend({"step": done - len(step_losses) + i + 1, "loss": v} for i, v in enumerate(step_losses))
+                pending.clear()
+            if log_now:
+                speed = throughput(samples=steps_in_window * samples_per_step,
+                                   seconds=time.perf_counter() - t_window - paused, flops_per_sample=flops_per_sample,
+                                   voxels_per_sample=math.prod(cfg.data.crop), peak_flops=peak, devices=world)
+                metrics = {"loss": history[-1]["loss"], "lr": scheduler.get_last_lr()[0], **speed}
+                history[-1].update(metrics)
                 accelerator.log(metrics, step=done)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", sps=f"{samples_per_s:.1f}", mfu=f"{metrics['mfu']:.1%}")
-                t_window, steps_in_window = time.perf_counter(), 0
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
+                                sps=f"{speed['samples_per_s']:.1f}", vox=f"{speed['voxels_per_s'] / 1e6:.1f}M",
+                                mfu=f"{speed['mfu']:.1%}")
+                t_window, steps_in_window, paused = time.perf_counter(), 0, 0.0
             bar.update(1)
-            if done % cfg.train.checkpoint_every == 0 or done == cfg.train.max_steps:
+            if save_now:
+                t_save = time.perf_counter()
                 _save_checkpoint(accelerator, model, optimizer, scheduler, ckpt_root, done,
                                  {"data": stream.state_dict(), "history": history}, cfg.train.keep_checkpoints)
+                paused += time.perf_counter() - t_save
     finally:
         bar.close()
         stream.close()
 
     summary = None
+    steps_run = cfg.train.max_steps - start_step
     if main:
         final_url = storage.join(run_root, "final")
-        model_io.save(accelerator.unwrap_model(model), final_url, {"job": cfg.to_dict()})
+        save_model(accelerator.unwrap_model(model), final_url, {"job": cfg.to_dict()})
         elapsed = time.perf_counter() - t_start
         tail = [h for h in history if "samples_per_s" in h]
         summary = {
@@ -187,13 +175,15 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
             "world_size": world, "initial_loss": history[0]["loss"] if history else None,
             "final_loss": history[-1]["loss"] if history else None, "history": history,
             "samples_per_s": tail[-1]["samples_per_s"] if tail else None,
-            "mfu": tail[-1]["mfu"] if tail else None, "model_url": final_url, "seconds": elapsed,
-            "flops_per_sample": flops_per_sample, "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
+            "voxels_per_s": tail[-1]["voxels_per_s"] if tail else None,
+            "mfu": tail[-1]["mfu"] if tail else None, "mfu_peak_flops": peak, "model_url": final_url,
+            "seconds": elapsed, "flops_per_sample": flops_per_sample,
+            "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         }
         storage.write_bytes(storage.join(run_root, "summary.json"), json.dumps(summary, indent=1).encode())
         print(f"sfm train: {steps_run} steps ({start_step}->{cfg.train.max_steps}) on {world} rank(s) in "
               f"{elapsed:.1f}s, loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}, "
-              f"{summary['samples_per_s'] or 0:.1f} samples/s", file=sys.stderr)
+              f"{summary['samples_per_s'] or 0:.1f} samples/s, MFU {summary['mfu'] or 0:.1%}", file=sys.stderr)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # flushes the trackers and ends the process group
     if main:
@@ -201,7 +191,31 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
     return summary
 
 
+def _load_agreed_checkpoint(accelerator, root: str) -> dict[str, Any] | None:
+    """The newest checkpoint every rank can read: each rank falls back past ones it cannot read,
+    then all continue from the oldest step any rank reached, so they never resume out of step."""
+    rank = accelerator.process_index
+    ckpt = checkpoint.load_latest(root, rank, warn=log.warning)
+    step = int(ckpt["state"]["step"]) if ckpt is not None else 0
+    if accelerator.num_processes > 1:
+        agreed = torch.tensor([step], device=accelerator.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        if int(agreed.item()) != step:
+            log.warning("another rank cannot read checkpoint step %d; all ranks continue from step %d",
+                        step, int(agreed.item()))
+            step = int(agreed.item())
+            ckpt = checkpoint.load(checkpoint.step_dir(root, step), rank) if step else None
+            if ckpt is not None:
+                ckpt["url"] = checkpoint.step_dir(root, step)
+    return ckpt
+
+
 def _save_checkpoint(accelerator, model, optimizer, scheduler, root: str, step: int, meta: dict, keep: int) -> None:
+    """Rank 0 clears the step's folder, every rank writes its RNG state, then rank 0 writes the rest
+    and marks the checkpoint complete (see sfm.checkpoint)."""
+    if accelerator.is_main_process:
+        checkpoint.begin(root, step)
+    accelerator.wait_for_everyone()
     checkpoint.save_rank_rng(root, step, accelerator.process_index)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

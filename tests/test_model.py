@@ -14,6 +14,7 @@ from sfm.model import (
     PRESETS,
     MAEConfig,
     MaskedAutoencoder3D,
+    PatchEmbed3D,
     build_model,
     mae_config,
     param_count,
@@ -102,13 +103,30 @@ def test_patchify_unpatchify_round_trip(tiny):
     assert torch.equal(m.unpatchify(p, grid=(2, 3, 5)), y)
 
 
-def test_patch_order_matches_conv_embedding(tiny):
-    """The conv patch embed and patchify must enumerate patches in the same order."""
-    x = torch.randn(1, 1, 16, 24, 32)
-    conv = tiny.patch_embed(x).flatten(2).transpose(1, 2)
-    w = tiny.patch_embed.weight.reshape(tiny.cfg.embed_dim, -1)  # [E, pd*ph*pw] (C=1)
-    lin = tiny.patchify(x) @ w.T + tiny.patch_embed.bias
-    torch.testing.assert_close(conv, lin, atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("chans", [1, 2])
+def test_patch_embed_equals_conv3d(chans):
+    """PatchEmbed3D is Conv3d(kernel = stride = patch) computed as a matmul: same outputs, same
+    gradients, same parameter names and shapes (checkpoints of either load into the other), and
+    patches in patchify's order."""
+    torch.manual_seed(0)
+    embed = PatchEmbed3D(chans, 12, (4, 2, 8))
+    conv = torch.nn.Conv3d(chans, 12, kernel_size=(4, 2, 8), stride=(4, 2, 8))
+    conv.load_state_dict(embed.state_dict())
+    x = torch.randn(2, chans, 8, 6, 16)
+    ours = embed(x)
+    ref = conv(x).flatten(2).transpose(1, 2)  # [N, L, E]
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(ref)
+    ours.backward(g)
+    ref.backward(g)
+    for name, p in embed.named_parameters():
+        torch.testing.assert_close(p.grad, dict(conv.named_parameters())[name].grad, atol=1e-4, rtol=1e-4)
+    # token l is patch l of patchify (C=1: the weight's flattened order is patchify's)
+    if chans == 1:
+        model = build_model(mae_config("tiny", patch=(4, 2, 8), crop=(8, 6, 16), embed_dim=12, num_heads=2))
+        model.patch_embed.load_state_dict(embed.state_dict())
+        by_patch = model.patchify(x) @ embed.weight.reshape(12, -1).T + embed.bias
+        torch.testing.assert_close(model.patch_embed(x), by_patch, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_volume_size_is_a_clear_error(tiny):

@@ -15,10 +15,6 @@ from torch import nn
 from .mae import MAEConfig, MaskedAutoencoder3D
 from .presets import PRESETS, mae_config
 
-# Dense bf16 tensor-core peaks (FLOP/s) for mfu(); pass your own for other hardware.
-PEAK_FLOPS_BF16 = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12}
-
-
 def _blocks_fwd_flops(tokens: int, dim: int, depth: int, mlp_ratio: float) -> float:
     """Forward matmul FLOPs of `depth` ViT blocks on `tokens` tokens of width `dim`."""
     hidden = int(dim * mlp_ratio)

@@ -135,6 +135,36 @@ def sincos_pos_embed_3d(embed_dim: int, grid: tuple[int, int, int]) -> torch.Ten
 # --------------------------------------------------------------------------------------------
 
 
+class PatchEmbed3D(nn.Module):
+    """Non-overlapping 3D patches -> tokens: imgs [N, C, D, H, W] -> [N, L, E], D-major patch order.
+
+    The same function as ``nn.Conv3d(C, E, kernel_size=patch, stride=patch)`` and the same
+    parameters (``weight`` [E, C, pd, ph, pw], ``bias`` [E]), so checkpoints of either load into
+    the other; computed as one matmul over the cut-out patches, which on CPU is much faster than
+    the convolution's backward.
+    """
+
+    def __init__(self, in_chans: int, embed_dim: int, patch: Int3):
+        super().__init__()
+        self.patch = tuple(patch)
+        self.weight = nn.Parameter(torch.empty(embed_dim, in_chans, *self.patch))
+        self.bias = nn.Parameter(torch.empty(embed_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # like nn.Linear in MAE: xavier on the flattened [E, C*pd*ph*pw] matrix, zero bias
+        nn.init.xavier_uniform_(self.weight.data.view(self.weight.shape[0], -1))
+        nn.init.zeros_(self.bias)
+
+    def forward(self, imgs: torch.Tensor) -> torch.Tensor:
+        N, C, D, H, W = imgs.shape
+        pd, ph, pw = self.patch
+        gd, gh, gw = D // pd, H // ph, W // pw
+        x = imgs.reshape(N, C, gd, pd, gh, ph, gw, pw).permute(0, 2, 4, 6, 1, 3, 5, 7)
+        x = x.reshape(N, gd * gh * gw, C * pd * ph * pw)  # channels first within a patch, as the weight
+        return F.linear(x, self.weight.reshape(self.weight.shape[0], -1), self.bias)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention. ``attn_fn(q, k, v)`` on [N, heads, L, head_dim] is the one call a
     context-parallel (ring) wrapper replaces from outside; it defaults to PyTorch's fused SDPA."""
@@ -199,7 +229,7 @@ class MaskedAutoencoder3D(nn.Module):
         patch_dim = math.prod(cfg.patch) * cfg.in_chans
 
         # encoder
-        self.patch_embed = nn.Conv3d(cfg.in_chans, cfg.embed_dim, kernel_size=cfg.patch, stride=cfg.patch)
+        self.patch_embed = PatchEmbed3D(cfg.in_chans, cfg.embed_dim, cfg.patch)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.embed_dim))
         self.blocks = nn.ModuleList(
             Block(cfg.embed_dim, cfg.num_heads, cfg.mlp_ratio) for _ in range(cfg.depth)
@@ -222,9 +252,7 @@ class MaskedAutoencoder3D(nn.Module):
         self.initialize_weights()
 
     def initialize_weights(self):
-        # patch_embed like nn.Linear: xavier on the flattened [E, C*pd*ph*pw] weight
-        w = self.patch_embed.weight.data
-        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        self.patch_embed.reset_parameters()
         nn.init.normal_(self.cls_token, std=0.02)
         nn.init.normal_(self.mask_token, std=0.02)
         self.apply(self._init_weights)
@@ -321,7 +349,7 @@ class MaskedAutoencoder3D(nn.Module):
     def _embed(self, imgs: torch.Tensor):
         """imgs -> patch tokens with position [N, L, E], grid."""
         grid = self.grid_shape(imgs)
-        x = self.patch_embed(imgs).flatten(2).transpose(1, 2)  # [N, L, E]
+        x = self.patch_embed(imgs)  # [N, L, E]
         return x + self.pos_embed(grid, x.shape[-1], x), grid
 
     def _with_cls(self, x: torch.Tensor) -> torch.Tensor:
