@@ -91,8 +91,38 @@ def _version_arg(text: str) -> int | str:
     return int(text) if text.isdigit() else text
 
 
+def _cmd_iam_policy(args: argparse.Namespace) -> None:
+    """Print the least-privilege IAM policy (JSON) for the pipeline's S3 access to one data root."""
+    from sfm import iam
+
+    components = args.component or [*iam.COMPONENTS, *(["demo"] if args.demo else [])]
+    document = iam.policy(args.data_root, landing=args.landing or [], metaflow_root=args.metaflow_root,
+                          components=components, kms_key_arns=args.kms_key_arn or [], partition=args.partition)
+    print(iam.policy_json(document))
+    size = iam.minified_size(document)
+    if size > iam.MANAGED_POLICY_MAX_CHARS:
+        print(f"sfm iam-policy: {size} characters is over the {iam.MANAGED_POLICY_MAX_CHARS} of a managed policy; "
+              "attach it as an inline role policy (10,240) or split it with --component", file=sys.stderr)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    """One line (or JSON) from a run's heartbeat; exit 1 when the run is stale or failed."""
+    from sfm import health
+
+    root = health.resolve_run_root(args.run, args.data_root)
+    record = health.read_heartbeat(root)
+    if record is None:
+        raise SFMError(f"no heartbeat at {health.heartbeat_url(root)}; check the run and --data-root "
+                       "(a run writes its first heartbeat after its first step)")
+    info = health.describe(record, stale_after_s=args.stale_after)
+    print(json.dumps(info, sort_keys=True) if args.json else f"{root}: {health.summary_line(info)}")
+    return 1 if info["state"] in ("stale", "failed") else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sfm", description="Seismic foundation model pipeline")
+    parser.add_argument("--allow-insecure-s3", action="store_true",
+                        help="allow a plain-http S3 endpoint off loopback (same as SFM_ALLOW_INSECURE_S3=1)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("synth", help="write a synthetic post-stack SEG-Y survey and its fault labels")
@@ -128,17 +158,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", default="champion", help="N, vN, latest or champion")
     p.add_argument("--out", default="", help="with load: export the model to this folder")
     p.set_defaults(func=_cmd_registry)
+    p = sub.add_parser("iam-policy", help="print the least-privilege IAM policy for a data root on S3")
+    p.add_argument("--data-root", required=True, help="s3://bucket/prefix the pipeline writes to")
+    p.add_argument("--landing", action="append", help="s3:// prefix new SEG-Y arrives in (repeatable; "
+                   "default <data-root>/landing)")
+    p.add_argument("--metaflow-root", default="", help="Metaflow's S3 datastore root "
+                   "(METAFLOW_DATASTORE_SYSROOT_S3), to grant the flow its artifacts, logs and cards")
+    p.add_argument("--component", action="append", choices=["ingest", "train", "registry", "watcher", "demo"],
+                   help="only these components (repeatable; default: ingest, train, registry, watcher)")
+    p.add_argument("--demo", action="store_true", help="also let the embedded demo write <data-root>/landing")
+    p.add_argument("--kms-key-arn", action="append", help="KMS key of an SSE-KMS bucket (repeatable)")
+    p.add_argument("--partition", default="aws", help="ARN partition (aws, aws-cn, aws-us-gov)")
+    p.set_defaults(func=_cmd_iam_policy)
+
+    p = sub.add_parser("status", help="a training run's progress from its heartbeat")
+    p.add_argument("run", help="run root (s3://.../checkpoints/RUN or a local path) or a run name "
+                   "(PretrainFlow-ID or PretrainFlow/ID, with --data-root)")
+    p.add_argument("--data-root", default="", help="data root holding checkpoints/<run>/")
+    p.add_argument("--stale-after", type=float, default=600.0, help="seconds without a heartbeat before a "
+                   "running job counts as stale (default 600)")
+    p.add_argument("--json", action="store_true", help="print the heartbeat as JSON")
+    p.set_defaults(func=_cmd_status)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.allow_insecure_s3:
+        import os
+
+        from sfm.security import INSECURE_ENV
+
+        os.environ[INSECURE_ENV] = "1"
     try:
-        args.func(args)
+        status = args.func(args)
     except SFMError as err:
         print(f"sfm {args.command}: error: {err}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":
