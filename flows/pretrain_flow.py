@@ -11,9 +11,10 @@ Each step calls one function of ``sfm.pipeline`` and keeps only small artifacts 
 import contextlib
 import tomllib
 
-from metaflow import Config, FlowSpec, Parameter, current, parallel, step
+from metaflow import Config, FlowSpec, Parameter, config_expr, current, environment, parallel, resources, step
 from metaflow.exception import MetaflowException
 
+from sfm.cluster import job_of, kubernetes_placement, node_environment, pod_resources  # noqa: F401  (config expressions)
 from sfm.config import DEFAULT_TOML
 
 
@@ -42,8 +43,10 @@ class PretrainFlow(FlowSpec):
     data_root = Parameter("data-root", default="sfm_data", help="local path or s3://bucket/prefix for all outputs")
     preset = Parameter("preset", default="", help="model preset (tiny|small|base|large|huge); default: config's")
     max_steps = Parameter("max-steps", default=0, type=int, help="training steps; 0: config's")
-    nodes = Parameter("nodes", default=1, type=int, help="nodes for the @parallel pretrain step")
-    procs_per_node = Parameter("procs-per-node", default=1, type=int, help="training processes per node")
+    nodes = Parameter("nodes", default=config_expr("job_of(config).dist.nodes"), type=int,
+                      help="nodes for the @parallel pretrain step; default: the config's [dist] nodes")
+    procs_per_node = Parameter("procs-per-node", default=config_expr("job_of(config).dist.procs_per_node"), type=int,
+                               help="training processes per node; default: the config's [dist] procs_per_node")
 
     @step
     def start(self):
@@ -85,6 +88,11 @@ class PretrainFlow(FlowSpec):
         self.next(self.pretrain, num_parallel=self.job["dist"]["nodes"])
 
     @parallel
+    @resources(cpu=config_expr("pod_resources(config)['cpu']"), memory=config_expr("pod_resources(config)['memory']"),
+               disk=config_expr("pod_resources(config)['disk']"), gpu=config_expr("pod_resources(config)['gpu']"),
+               shared_memory=config_expr("pod_resources(config)['shared_memory']"))
+    @environment(vars=config_expr("node_environment(config)"))
+    @kubernetes_placement  # on Kubernetes: [cluster] instance type, tolerations, image, EFA devices
     @step
     def pretrain(self):
         from sfm import pipeline

@@ -69,6 +69,24 @@ class DistConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Where the pretrain step's nodes run on a cluster (HyperPod EKS via Metaflow, HyperPod Slurm via
+    ``sfm slurm-script``); see sfm/cluster.py. Ignored by local runs. Lists are comma-separated."""
+
+    image: str = ""  # container image with sfm installed; "": METAFLOW_KUBERNETES_CONTAINER_IMAGE
+    instance_type: str = ""  # node selector node.kubernetes.io/instance-type, e.g. ml.p5en.48xlarge
+    node_selector: str = ""  # more label=value pairs the training nodes must carry
+    tolerations: str = ""  # key[=value]:Effect, e.g. nvidia.com/gpu:NoSchedule
+    cpu: int = 1  # per node (pod)
+    memory_mb: int = 4096
+    disk_mb: int = 10240
+    gpu: int = 0  # per node; on GPU nodes equal to dist.procs_per_node
+    shared_memory_mb: int = 0  # /dev/shm for NCCL and DataLoader workers; 0: the cluster's default
+    efa: int = 0  # EFA devices per node (vpc.amazonaws.com/efa); > 0 also sets the EFA/NCCL environment
+    env: str = ""  # KEY=VALUE pairs set on every training node (e.g. NCCL_DEBUG=INFO)
+
+
+@dataclass
 class EvalConfig:
     crops: int = 16
     batch_size: int = 8
@@ -88,6 +106,7 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
 
