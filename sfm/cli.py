@@ -62,7 +62,9 @@ def _cmd_ingest(args: argparse.Namespace) -> None:
 
 
 def _cmd_registry(args: argparse.Namespace) -> None:
-    from sfm import registry
+    """list: one JSON line per version; show: the record; promote: force a version to champion; load: build
+    the model (files checked against their sha256) and, with --out, export it byte for byte."""
+    from sfm import registry, storage
 
     if args.action == "list":
         champion = registry.champion_version(args.data_root, args.model)
@@ -71,24 +73,25 @@ def _cmd_registry(args: argparse.Namespace) -> None:
             print(json.dumps({"version": version, "champion": version == champion, "created_at": record["created_at"],
                               "masked_nmse": record["metrics"].get("masked_nmse"),
                               "run": record["lineage"]["run_pathspec"]}))
-    elif args.action == "show":
-        print(json.dumps(registry.get(args.data_root, args.model, _version_arg(args.version)), indent=1))
+        return
+    version = registry.resolve(args.data_root, args.model, args.version)
+    if args.action == "show":
+        record = registry.get(args.data_root, args.model, version)
+        record["champion"] = registry.champion_version(args.data_root, args.model) == version
+        record["url"] = registry.version_url(args.data_root, args.model, version)
+        print(json.dumps(record, indent=1))
     elif args.action == "promote":
-        registry.maybe_promote(args.data_root, args.model, int(_version_arg(args.version)), force=True)
-        print(f"{args.model} v{args.version} is now the champion")
+        if str(args.version) == "champion":
+            raise SFMError("registry promote needs the version to promote: pass --version N")
+        registry.maybe_promote(args.data_root, args.model, version, force=True)
+        print(f"{args.model} v{version} is now the champion")
     elif args.action == "load":
-        from sfm.model.io import save
-
-        model = registry.load(args.data_root, args.model, _version_arg(args.version))
+        model = registry.load(args.data_root, args.model, version)
         if args.out:
-            save(model, args.out)
-        print(json.dumps({"model": args.model, "version": args.version, "config": model.cfg.to_dict(),
+            for name, data in registry.verified_files(args.data_root, args.model, version).items():
+                storage.write_bytes(storage.join(args.out, name), data)
+        print(json.dumps({"model": args.model, "version": version, "config": model.cfg.to_dict(),
                           "parameters": sum(p.numel() for p in model.parameters()), "saved_to": args.out or None}))
-
-
-def _version_arg(text: str) -> int | str:
-    text = str(text).lstrip("v")
-    return int(text) if text.isdigit() else text
 
 
 def _cmd_iam_policy(args: argparse.Namespace) -> None:

@@ -91,12 +91,21 @@ class EvalConfig:
     crops: int = 16
     batch_size: int = 8
     seed: int = 1234
+    probe_train_volumes: int = 4  # labelled synthetic volumes the fault probe's head trains on (0: no probe)
+    probe_test_volumes: int = 2  # volumes it is scored on
 
 
 @dataclass
 class RegistryConfig:
     model_name: str = "sfm-mae"
     margin: float = 0.0
+
+
+@dataclass
+class RetrainConfig:
+    schedule: str = "weekly"  # hourly | daily | weekly | a cron expression | "" (no schedule) on Argo Workflows
+    event: str = "sfm-new-survey"  # Argo Events event that triggers a run (`sfm watch --publish-event` sends it)
+    max_attempts: int = 3  # failed runs over the same new survey before `sfm watch` quarantines it
 
 
 @dataclass
@@ -109,6 +118,7 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
+    retrain: RetrainConfig = field(default_factory=RetrainConfig)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod

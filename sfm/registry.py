@@ -2,14 +2,29 @@
 
 ::
 
-    registry/<model>/v<N>/.claim            created if-absent: allocates N (safe under concurrency)
+    registry/<model>/v<N>/.claim              created if absent: allocates N (safe under concurrency)
     registry/<model>/v<N>/model.safetensors
     registry/<model>/v<N>/config.json
-    registry/<model>/v<N>/version.json      written last: the version is complete (registry_version contract)
-    registry/<model>/champion.json          {"version": N, ...}: the version users get by default
+    registry/<model>/v<N>/version.json        written last: the version is complete (registry_version contract)
+    registry/<model>/champion/<seq>.json      one immutable entry per promotion (registry_champion contract);
+                                              the highest seq names the champion
 
-A new version becomes champion only if its held-out ``masked_nmse`` beats the champion's by at least
-the configured margin (lower is better), unless promotion is forced.
+Concurrency uses one primitive, :func:`claim`: :func:`sfm.storage.write_bytes_if_absent` (a hard
+link locally, a conditional ``If-None-Match: *`` PUT on S3) of a unique token, read back to confirm.
+AWS S3 makes the conditional PUT atomic; some S3-compatible servers only check, then write (moto_server
+does: two racing PUTs can both succeed, the later one's bytes stay), and the read-back after a short
+settle time turns that into one winner. A server that ignores the condition altogether is detected
+once per bucket and refused. It holds on a shared disk and on S3 alike, with no lock server:
+
+- two registrations racing for ``v<N>`` both try to create its ``.claim``; one wins, the other
+  moves on to ``v<N+1>``. Each writes only inside its own folder, so nothing is lost.
+- a promotion reads the newest champion entry ``seq``, decides, and creates ``seq + 1``. If another
+  promotion created it first, the decision is taken again against the new champion. The champion's
+  metric therefore only improves (or a forced promotion overrides it), whatever the interleaving.
+
+A version whose registration died before ``version.json`` keeps its claimed number and is never
+listed. A new version becomes champion only if its held-out ``masked_nmse`` is lower than the
+champion's by at least the configured margin (lower is better), unless promotion is forced.
 """
 
 from __future__ import annotations
@@ -18,6 +33,8 @@ import datetime as dt
 import hashlib
 import json
 import re
+import time
+import uuid
 from typing import Any
 
 from sfm import storage
@@ -27,7 +44,13 @@ from sfm.errors import SFMError
 METRIC = "masked_nmse"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _VERSION = re.compile(r"^v(\d+)$")
+_ENTRY = re.compile(r"^(\d{8})\.json$")
 FILES = ("model.safetensors", "config.json")
+_MAX_RACES = 1000  # promotion attempts lost to concurrent promotions before giving up (a bug if reached)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def model_root(data_root: str, model_name: str) -> str:
@@ -37,7 +60,7 @@ def model_root(data_root: str, model_name: str) -> str:
 
 
 def version_url(data_root: str, model_name: str, version: int) -> str:
-    return storage.join(model_root(data_root, model_name), f"v{version}")
+    return storage.join(model_root(data_root, model_name), f"v{int(version)}")
 
 
 def versions(data_root: str, model_name: str) -> list[int]:
@@ -51,48 +74,163 @@ def versions(data_root: str, model_name: str) -> list[int]:
     return sorted(found)
 
 
+S3_SETTLE_S = 0.25  # wait before reading a claim back on S3 (see the module docstring)
+_checked_buckets: set[str] = set()
+
+
+def _check_conditional_writes(url: str) -> None:
+    """Refuse S3 endpoints that ignore ``If-None-Match`` (the second conditional PUT must fail)."""
+    bucket = url[len("s3://"):].split("/", 1)[0]
+    if bucket in _checked_buckets:
+        return
+    # two levels up, so the probe never shows in the folder being allocated in (v<N>/, champion/)
+    probe = storage.join(url.rsplit("/", 2)[0], ".conditional-write-check", uuid.uuid4().hex[:12])
+    first = storage.write_bytes_if_absent(probe, b"1")
+    second = storage.write_bytes_if_absent(probe, b"2")
+    storage.remove(probe)
+    if not first or second:
+        raise SFMError(f"the S3 endpoint of {url} does not honour conditional writes (If-None-Match), which the "
+                       "registry and `sfm watch` need to allocate names safely; use AWS S3 or a server that does")
+    _checked_buckets.add(bucket)
+
+
+def claim(url: str, payload: dict[str, Any]) -> bool:
+    """Create ``url`` holding ``payload`` plus a unique token if nothing is there yet; True if this call won.
+
+    The token is read back (after :data:`S3_SETTLE_S` on S3), so a server that checks the condition
+    and writes in two steps still yields exactly one winner when two writers race.
+    """
+    token = uuid.uuid4().hex
+    data = json.dumps({**payload, "claim_token": token}, sort_keys=True).encode()
+    if storage.is_s3(url):
+        _check_conditional_writes(url)
+    if not storage.write_bytes_if_absent(url, data):
+        return False
+    if storage.is_s3(url):
+        time.sleep(S3_SETTLE_S)
+    return json.loads(storage.read_bytes(url)).get("claim_token") == token
+
+
 def _claimed(data_root: str, model_name: str) -> list[int]:
     root = model_root(data_root, model_name)
     return sorted(int(m.group(1)) for m in map(_VERSION.match, storage.list_dir(root)) if m)
 
 
 def _allocate(data_root: str, model_name: str, owner: str) -> int:
+    """Claim the next free version number; safe when several processes register at once."""
     claimed = _claimed(data_root, model_name)
     version = (claimed[-1] if claimed else 0) + 1
-    while not storage.write_bytes_if_absent(storage.join(version_url(data_root, model_name, version), ".claim"),
-                                            owner.encode()):
+    while not claim(storage.join(version_url(data_root, model_name, version), ".claim"),
+                    {"owner": owner, "claimed_at": _now()}):
         version += 1
     return version
 
 
-def get(data_root: str, model_name: str, version: int | str = "champion") -> dict[str, Any]:
-    """The version record; ``version`` is a number, ``"latest"`` or ``"champion"``."""
-    if version == "champion":
+def resolve(data_root: str, model_name: str, version: int | str = "champion") -> int:
+    """The version number meant by ``version``: a number, ``"v3"``, ``"latest"`` or ``"champion"``."""
+    text = str(version).strip()
+    if text == "champion":
         champion = champion_version(data_root, model_name)
         if champion is None:
-            raise SFMError(f"model {model_name!r} has no champion yet; register a version first")
-        version = champion
-    elif version == "latest":
+            raise SFMError(f"model {model_name!r} in {data_root} has no champion yet; register a version first")
+        return champion
+    if text == "latest":
         found = versions(data_root, model_name)
         if not found:
             raise SFMError(f"model {model_name!r} has no versions in {data_root}; register one first")
-        version = found[-1]
-    url = storage.join(version_url(data_root, model_name, int(version)), "version.json")
+        return found[-1]
+    number = text[1:] if text.startswith("v") else text
+    if not number.isdigit() or int(number) < 1:
+        raise SFMError(f"version {version!r} is not a version; use N, vN, latest or champion")
+    return int(number)
+
+
+def get(data_root: str, model_name: str, version: int | str = "champion") -> dict[str, Any]:
+    """The validated version record (``version.json``)."""
+    number = resolve(data_root, model_name, version)
+    url = storage.join(version_url(data_root, model_name, number), "version.json")
     if not storage.exists(url):
-        raise SFMError(f"model {model_name!r} has no version v{version}; see `sfm registry list`")
+        raise SFMError(f"model {model_name!r} has no version v{number} in {data_root}; see `sfm registry list`")
     record = json.loads(storage.read_bytes(url))
     validate("registry_version", record, url)
     return record
 
 
+# ---- champion --------------------------------------------------------------------------------
+
+
+def _champion_dir(data_root: str, model_name: str) -> str:
+    return storage.join(model_root(data_root, model_name), "champion")
+
+
+def champion_history(data_root: str, model_name: str) -> list[dict[str, Any]]:
+    """Every promotion, oldest first."""
+    folder = _champion_dir(data_root, model_name)
+    entries = []
+    for name in storage.list_dir(folder):
+        if _ENTRY.match(name):
+            url = storage.join(folder, name)
+            entry = json.loads(storage.read_bytes(url))
+            validate("registry_champion", entry, url)
+            entries.append(entry)
+    return sorted(entries, key=lambda e: e["seq"])
+
+
+def _latest_entry(data_root: str, model_name: str) -> dict[str, Any] | None:
+    folder = _champion_dir(data_root, model_name)
+    seqs = sorted(int(m.group(1)) for m in map(_ENTRY.match, storage.list_dir(folder)) if m)
+    if not seqs:
+        return None
+    url = storage.join(folder, f"{seqs[-1]:08d}.json")
+    entry = json.loads(storage.read_bytes(url))
+    validate("registry_champion", entry, url)
+    return entry
+
+
 def champion_version(data_root: str, model_name: str) -> int | None:
-    url = storage.join(model_root(data_root, model_name), "champion.json")
-    return int(json.loads(storage.read_bytes(url))["version"]) if storage.exists(url) else None
+    entry = _latest_entry(data_root, model_name)
+    return None if entry is None else int(entry["version"])
+
+
+def beats(candidate: float, incumbent: float, margin: float) -> bool:
+    """The margin rule: lower is better, and the candidate must be lower by at least ``margin``."""
+    return candidate <= incumbent - margin
+
+
+def maybe_promote(data_root: str, model_name: str, version: int, *, margin: float = 0.0, force: bool = False) -> bool:
+    """Make ``version`` the champion if forced, if there is none, or if it beats the champion by ``margin``.
+
+    Returns whether ``version`` is the champion afterwards. Safe under concurrent promotions: the
+    decision is re-taken whenever another promotion lands first.
+    """
+    candidate = get(data_root, model_name, version)
+    value = candidate["metrics"].get(METRIC)
+    if value is None and not force:
+        raise SFMError(f"{model_name} v{version} has no {METRIC} metric; evaluate it, or promote with force")
+    for _ in range(_MAX_RACES):
+        current = _latest_entry(data_root, model_name)
+        if current is not None and current["version"] == candidate["version"]:
+            return True
+        if current is not None and not force:
+            incumbent = get(data_root, model_name, current["version"])["metrics"][METRIC]
+            if not beats(value, incumbent, margin):
+                return False
+        seq = (current["seq"] if current else 0) + 1
+        entry = {"seq": seq, "version": candidate["version"], "metric": METRIC, "value": value, "forced": bool(force),
+                 "previous": current["version"] if current else None, "margin": float(margin), "promoted_at": _now()}
+        validate("registry_champion", entry, f"{model_name} champion entry {seq}")
+        if claim(storage.join(_champion_dir(data_root, model_name), f"{seq:08d}.json"), entry):
+            return True
+    raise RuntimeError(f"promotion of {model_name} v{version} lost {_MAX_RACES} races in a row")
+
+
+# ---- register and load -------------------------------------------------------------------------
 
 
 def register(data_root: str, model_name: str, model_url: str, *, config: dict, metrics: dict, lineage: dict,
              margin: float = 0.0, force_champion: bool = False) -> dict[str, Any]:
-    """Copy an exported model into a new version and maybe promote it; returns the version record."""
+    """Copy an exported model into a new version and maybe promote it; returns the version record
+    plus ``champion`` (whether it is the champion now)."""
     owner = lineage.get("run_pathspec", "") or "unknown"
     version = _allocate(data_root, model_name, owner)
     target = version_url(data_root, model_name, version)
@@ -102,8 +240,7 @@ def register(data_root: str, model_name: str, model_url: str, *, config: dict, m
         storage.write_bytes(storage.join(target, name), data)
         files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     record = {
-        "model_name": model_name, "version": version,
-        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "model_name": model_name, "version": version, "created_at": _now(),
         "files": files, "config": config, "metrics": metrics, "lineage": lineage,
     }
     validate("registry_version", record, f"{model_name} v{version}")
@@ -112,23 +249,27 @@ def register(data_root: str, model_name: str, model_url: str, *, config: dict, m
     return record
 
 
-def maybe_promote(data_root: str, model_name: str, version: int, *, margin: float = 0.0, force: bool = False) -> bool:
-    """Make ``version`` the champion if forced, if there is none, or if it beats the champion by ``margin``."""
-    candidate = get(data_root, model_name, version)
-    current = champion_version(data_root, model_name)
-    if not force and current is not None:
-        incumbent = get(data_root, model_name, current)
-        if not candidate["metrics"][METRIC] <= incumbent["metrics"][METRIC] - margin:
-            return False
-    champion = {"version": version, METRIC: candidate["metrics"][METRIC],
-                "promoted_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-    storage.write_bytes(storage.join(model_root(data_root, model_name), "champion.json"), json.dumps(champion).encode())
-    return True
+def verified_files(data_root: str, model_name: str, version: int | str = "champion") -> dict[str, bytes]:
+    """The version's files, each checked against the size and sha256 its record holds."""
+    record = get(data_root, model_name, version)
+    folder = version_url(data_root, model_name, record["version"])
+    out = {}
+    for name, expected in record["files"].items():
+        data = storage.read_bytes(storage.join(folder, name))
+        if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
+            raise SFMError(f"{storage.join(folder, name)} does not match its registry record (size or sha256); "
+                           "the version is damaged: re-register it")
+        out[name] = data
+    return out
 
 
 def load(data_root: str, model_name: str, version: int | str = "champion"):
-    """The registered model (``sfm.model.MaskedAutoencoder3D``) of that version."""
-    from sfm.model.io import load as load_model
+    """The registered model (``sfm.model.MaskedAutoencoder3D``) of that version, its files verified."""
+    from safetensors.torch import load as load_safetensors
 
-    record = get(data_root, model_name, version)
-    return load_model(version_url(data_root, model_name, record["version"]))
+    from sfm.model.mae import MAEConfig, MaskedAutoencoder3D
+
+    files = verified_files(data_root, model_name, version)
+    model = MaskedAutoencoder3D(MAEConfig.from_dict(json.loads(files["config.json"])["model"]))
+    model.load_state_dict(load_safetensors(files["model.safetensors"]))
+    return model
