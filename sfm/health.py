@@ -83,6 +83,9 @@ class Watchdog:
     """Fail the process when :meth:`progress` is not called for ``timeout_s`` seconds.
 
     ``first_timeout_s`` (default ``timeout_s``) covers the slow first step (compile, opening surveys).
+    The backstop (``faulthandler``, from a C thread) dumps the stacks and exits with status 1
+    ``backstop_grace_s`` after the deadline (default max(10 s, a quarter of the timeout)) in case
+    the hang holds the GIL so this watchdog's own thread cannot run.
     ``on_hang(report)`` replaces the default action (write the report, end the process with
     ``exit_code``); tests use it to observe a hang without exiting. ``stream`` is where the report
     goes (default ``sys.stderr``, which the flow captures into the task log).
@@ -90,7 +93,7 @@ class Watchdog:
 
     def __init__(self, timeout_s: float, *, first_timeout_s: float | None = None, name: str = "training step",
                  exit_code: int = HANG_EXIT_CODE, on_hang: Callable[[str], None] | None = None,
-                 stream: TextIO | None = None, backstop: bool = True):
+                 stream: TextIO | None = None, backstop: bool = True, backstop_grace_s: float | None = None):
         if timeout_s <= 0:
             raise SFMError(f"watchdog timeout {timeout_s!r} must be positive seconds")
         self.timeout_s = float(timeout_s)
@@ -100,6 +103,7 @@ class Watchdog:
         self.on_hang = on_hang
         self.stream = stream
         self.backstop = backstop and on_hang is None
+        self.backstop_grace_s = backstop_grace_s
         self.last_step: int | None = None
         self.fired = False
         self._deadline = 0.0
@@ -138,7 +142,8 @@ class Watchdog:
             self._deadline = time.monotonic() + seconds
             self._armed_for = seconds
         if self.backstop:  # fires from a C thread even if a hang holds the GIL; exits with code 1
-            faulthandler.dump_traceback_later(seconds + max(10.0, 0.25 * seconds), repeat=False,
+            grace = self.backstop_grace_s if self.backstop_grace_s is not None else max(10.0, 0.25 * seconds)
+            faulthandler.dump_traceback_later(seconds + grace, repeat=False,
                                               file=sys.__stderr__, exit=True)
 
     def _watch(self) -> None:

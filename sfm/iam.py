@@ -9,7 +9,10 @@ root's key prefix)::
               write and delete checkpoints/ (old checkpoints are pruned)
     registry  read checkpoints/*/final/ and registry/; write registry/ (versions are claimed with a
               conditional PUT, If-None-Match, which needs only s3:PutObject); list manifest/ (lineage)
-    watcher   read landing; write its state and quarantine prefixes
+    watcher   read landing, manifest/, registry/ (the champion to continue from); write watch/ (lease,
+              per-survey state, digest cache) and quarantine/; delete from landing (a quarantined
+              file is moved out) and watch/ (the lease). Running the flow itself needs the other
+              components too; with ``sfm watch --publish-event`` the watcher role needs only this one.
     demo      write <root>/landing/ (only the embedded demo writes its synthetic surveys there)
     metaflow  read and write Metaflow's datastore root (artifacts, logs, cards), when it is on S3
 
@@ -35,7 +38,7 @@ DELETE = ("s3:DeleteObject",)
 MANAGED_POLICY_MAX_CHARS = 6144
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
-# The watcher's prefixes under the data root (sfm/watch.py writes only there).
+# The watcher's prefixes under the data root (sfm/watch.py writes only there: state_url(), quarantine()).
 WATCH_STATE = "watch"
 WATCH_QUARANTINE = "quarantine"
 
@@ -111,14 +114,13 @@ def _grants(component: str, root: S3Location, landing: list[S3Location], metaflo
             g.listing(loc)
     elif component == "watcher":
         state, quarantine = root.sub(WATCH_STATE), root.sub(WATCH_QUARANTINE)
-        for loc in landing:
+        for loc in (*landing, state, quarantine, manifest, registry):
             g.allow(READ, loc)
             g.listing(loc)
         for loc in (state, quarantine):
-            g.allow(READ, loc)
             g.allow(WRITE, loc)
-            g.listing(loc)
-        g.allow(DELETE, state)
+        for loc in (*landing, state):  # a quarantined file moves out of landing; the lease is released
+            g.allow(DELETE, loc)
     elif component == "demo":
         g.allow(READ, root.sub("landing"))
         g.allow(WRITE, root.sub("landing"))

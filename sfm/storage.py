@@ -251,11 +251,20 @@ def upload(local_path: str | os.PathLike, url: str) -> None:
 
 
 def download(url: str, local_path: str | os.PathLike) -> None:
+    """Copy the object (or every object under the prefix) at ``url`` to ``local_path``.
+
+    A prefix holding keys with ``..`` segments is refused: they would land outside ``local_path``.
+    """
     fs, path = filesystem(url)
     try:
         fs.get(path, str(local_path), recursive=fs.isdir(path))
     except FileNotFoundError as err:
         raise SFMError(f"{url} does not exist. Check the path or URL.") from err
+    except ValueError as err:  # fsspec's check that every copied name stays inside the destination
+        if "outside the destination" not in str(err):
+            raise
+        raise SFMError(f"{url} holds object names with '..' that would be copied outside {local_path}; "
+                       "rename those objects") from err
 
 
 def remove(url: str) -> None:
@@ -271,7 +280,10 @@ def local_copy(url: str, workdir: str | os.PathLike) -> str:
         if not os.path.exists(path):
             raise SFMError(f"{url} does not exist. Check the path.")
         return path
-    target = Path(tempfile.mkdtemp(dir=workdir)) / url.rsplit("/", 1)[-1]
+    name = url.rsplit("/", 1)[-1]
+    if name_problem(name):  # keep the object's name only where it is a plain local file name too
+        name = "source.sgy" if name.lower().endswith((".sgy", ".segy")) else "source"
+    target = Path(tempfile.mkdtemp(dir=workdir)) / name
     download(url, target)
     return str(target)
 
