@@ -67,19 +67,28 @@ def begin(root: str, step: int) -> None:
         discard(root, step)
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+def rng_state(generators: dict[str, torch.Generator] | None = None) -> dict[str, Any]:
+    """The global RNG states (torch, CUDA, numpy, python) and those of the named ``generators``."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+             "generators": {name: g.get_state() for name, g in (generators or {}).items()}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator] | None = None) -> None:
+    """Restore what :func:`rng_state` captured; each of ``generators`` from its saved namesake."""
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state.get("generators", {})
+    for name, gen in (generators or {}).items():
+        if name in saved:
+            gen.set_state(saved[name])
+        else:  # a checkpoint from before that generator existed: it keeps its seeded state
+            log.warning("checkpoint has no state for RNG %r; it continues from its seed", name)
 
 
 def _tensor_bytes(obj: Any) -> bytes:
@@ -92,9 +101,10 @@ def _load_tensors(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-def save_rank_rng(root: str, step: int, rank: int) -> None:
-    """Every rank saves its own RNG state before rank 0 marks the checkpoint complete."""
-    state = rng_state()
+def save_rank_rng(root: str, step: int, rank: int, generators: dict[str, torch.Generator] | None = None) -> None:
+    """Every rank saves its own RNG states (global ones and ``generators``) before rank 0 marks the
+    checkpoint complete."""
+    state = rng_state(generators)
     name, keys, pos, has_gauss, cached = state["numpy"]  # ndarray -> tensor: loadable with weights_only
     state["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]
     state["python"] = list(state["python"])

@@ -90,7 +90,11 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_of_step(s) / cfg.train.lr)
     # the scheduler is stepped by hand once per optimiser step, whatever the world size
     model, optimizer = accelerator.prepare(model, optimizer)
-    torch.manual_seed(cfg.data.seed * 1000 + 17 + rank)  # masks differ across ranks
+    torch.manual_seed(cfg.data.seed * 1000 + 17 + rank)
+    # MAE masks come from a generator of their own (different on each rank, saved with every
+    # checkpoint): the data loader's workers and libraries draw from the global RNG at times that
+    # differ between a run and its resumption, and must not shift the masks.
+    mask_rng = torch.Generator(device=accelerator.device).manual_seed(cfg.data.seed * 1000 + 17 + rank)
 
     micro_batches = max(1, cfg.train.grad_accum)
     start_step, history, data_state = 0, [], None
@@ -99,8 +103,6 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
         accelerator.unwrap_model(model).load_state_dict(resumed["model"])
         optimizer.load_state_dict(resumed["optimizer"])
         scheduler.load_state_dict(resumed["scheduler"])
-        if resumed["rng"] is not None:
-            checkpoint.set_rng_state(resumed["rng"])
         start_step = int(resumed["state"]["step"])
         history = resumed["state"]["history"]
         data_state = resumed["state"].get("data")
@@ -116,12 +118,14 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
     train_step = TrainStep(
         model, optimizer, scheduler, grad_clip=cfg.train.grad_clip, autocast=accelerator.autocast,
         no_sync=(lambda: accelerator.no_sync(model)) if world > 1 else None,
-        backward=accelerator.backward, clip_grad_norm=accelerator.clip_grad_norm_,
+        backward=accelerator.backward, clip_grad_norm=accelerator.clip_grad_norm_, generator=mask_rng,
     )
     flops_per_sample = train_flops_per_sample(mcfg)
     peak = peak_flops(accelerator.device, torch.bfloat16 if precision == "bf16" else torch.float32)
     samples_per_step = micro_batches * cfg.data.batch_size * world
     accelerator.init_trackers("sfm-pretrain", config={"preset": cfg.model.preset, "world_size": world})
+    if resumed is not None and resumed["rng"] is not None:
+        checkpoint.set_rng_state(resumed["rng"], {"mask": mask_rng})
 
     from tqdm import tqdm
 
@@ -157,7 +161,8 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
             if save_now:
                 t_save = time.perf_counter()
                 _save_checkpoint(accelerator, model, optimizer, scheduler, ckpt_root, done,
-                                 {"data": stream.state_dict(), "history": history}, cfg.train.keep_checkpoints)
+                                 {"data": stream.state_dict(), "history": history}, cfg.train.keep_checkpoints,
+                                 {"mask": mask_rng})
                 paused += time.perf_counter() - t_save
     finally:
         bar.close()
@@ -210,13 +215,14 @@ def _load_agreed_checkpoint(accelerator, root: str) -> dict[str, Any] | None:
     return ckpt
 
 
-def _save_checkpoint(accelerator, model, optimizer, scheduler, root: str, step: int, meta: dict, keep: int) -> None:
+def _save_checkpoint(accelerator, model, optimizer, scheduler, root: str, step: int, meta: dict, keep: int,
+                     generators: dict[str, torch.Generator]) -> None:
     """Rank 0 clears the step's folder, every rank writes its RNG state, then rank 0 writes the rest
     and marks the checkpoint complete (see sfm.checkpoint)."""
     if accelerator.is_main_process:
         checkpoint.begin(root, step)
     accelerator.wait_for_everyone()
-    checkpoint.save_rank_rng(root, step, accelerator.process_index)
+    checkpoint.save_rank_rng(root, step, accelerator.process_index, generators)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         checkpoint.save(root, step, accelerator.unwrap_model(model).state_dict(), optimizer.state_dict(),

@@ -70,6 +70,8 @@ class TrainStep:
     Args:
         autocast: context for the forward pass, e.g. ``lambda: torch.autocast("cuda", torch.bfloat16)``.
         no_sync: context that skips the gradient all-reduce on all but the last micro-batch.
+        generator: the RNG the MAE masks are drawn from (default: torch's global one); save its
+            state with a checkpoint to resume exactly.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -77,8 +79,10 @@ class TrainStep:
                  autocast: Callable[[], ContextManager] = contextlib.nullcontext,
                  no_sync: Callable[[], ContextManager] | None = None,
                  backward: Callable[[torch.Tensor], None] | None = None,
-                 clip_grad_norm: Callable[..., torch.Tensor] | None = None):
+                 clip_grad_norm: Callable[..., torch.Tensor] | None = None,
+                 generator: torch.Generator | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.generator = generator
         self.grad_clip = float(grad_clip)
         self.autocast, self.no_sync = autocast, no_sync
         self.backward = backward or (lambda loss: loss.backward())
@@ -95,7 +99,7 @@ class TrainStep:
             skip_sync = self.no_sync() if self.no_sync is not None and not last else contextlib.nullcontext()
             with skip_sync:
                 with self.autocast():
-                    loss, _, _ = self.model(imgs)
+                    loss, _, _ = self.model(imgs, generator=self.generator)
                 self.backward(loss / count)
             losses.append(loss.detach().float())
         if self.grad_clip > 0:

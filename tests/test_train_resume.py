@@ -1,0 +1,155 @@
+"""sfm.train in real processes: a run killed with SIGKILL partway and started again continues from
+its last checkpoint and ends with exactly the weights and loss history of an uninterrupted run, with
+the run root on local disk or on an S3 server (moto_server over HTTP); an unreadable latest
+checkpoint makes the restarted run fall back to the one before, and it still ends where the
+uninterrupted run did."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+from sfm import checkpoint, storage
+
+MAX_STEPS, EVERY = 40, 5
+PROJECT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def survey_store(tmp_path_factory) -> str:
+    """One small synthetic survey, ingested into a Zarr store."""
+    from sfm.ingest import ingest_survey
+    from sfm.synth import synth_survey
+
+    tmp = tmp_path_factory.mktemp("survey")
+    synth_survey(str(tmp / "s.sgy"), shape=(48, 48, 64), seed=3)
+    return ingest_survey(str(tmp / "s.sgy"), str(tmp / "root"), chunk=32)["store_url"]
+
+
+def make_job(store: str, run_root: str) -> dict:
+    config = {
+        "data": {"batch_size": 4, "crop": [32, 32, 32]},
+        "train": {"max_steps": MAX_STEPS, "checkpoint_every": EVERY, "log_every": 10, "warmup_steps": 5,
+                  "keep_checkpoints": 2, "threads_per_process": 1},
+    }
+    return {"config": config, "surveys": [store], "run_root": run_root}
+
+
+def start_training(job: dict, workdir: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    """``python -m sfm.train JOB.json`` as its own process (one rank); returns it and its log file."""
+    job_path = workdir / f"{name}.json"
+    job_path.write_text(json.dumps(job))
+    log = workdir / f"{name}.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "sfm.train", str(job_path)], cwd=PROJECT,
+                                stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, log
+
+
+def run_training(job: dict, workdir: Path, name: str) -> dict:
+    proc, log = start_training(job, workdir, name)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    return {"summary": json.loads(storage.read_bytes(storage.join(job["run_root"], "summary.json"))),
+            "log": log.read_text()}
+
+
+def kill_after_first_checkpoint(proc: subprocess.Popen, ckpt_root: str, log: Path) -> list[int]:
+    """SIGKILL the training process as soon as a complete checkpoint exists; returns the complete
+    checkpoints at that moment. Fails if the process ended by itself first."""
+    deadline = time.monotonic() + 300
+    while not checkpoint.complete_steps(ckpt_root):
+        assert proc.poll() is None, f"training ended before its first checkpoint:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, f"process was not killed (exit {proc.returncode})"
+    steps = checkpoint.complete_steps(ckpt_root)
+    assert steps and steps[-1] < MAX_STEPS, f"killed too late to test anything: checkpoints {steps}"
+    return steps
+
+
+def final_weights(run_root: str) -> dict[str, torch.Tensor]:
+    return load_safetensors(storage.read_bytes(storage.join(run_root, "final", "model.safetensors")))
+
+
+def assert_same_run(got: dict, ref: dict, run_root: str, ref_root: str) -> None:
+    """Same weights (to float tolerance) and the same loss at every one of the MAX_STEPS steps."""
+    weights, ref_weights = final_weights(run_root), final_weights(ref_root)
+    assert weights.keys() == ref_weights.keys()
+    for name in ref_weights:
+        torch.testing.assert_close(weights[name], ref_weights[name], rtol=1e-5, atol=1e-6, msg=name)
+    history = got["summary"]["history"]
+    assert [h["step"] for h in history] == list(range(1, MAX_STEPS + 1))
+    ref_losses = [h["loss"] for h in ref["summary"]["history"]]
+    assert [h["loss"] for h in history] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def reference(survey_store, tmp_path_factory) -> dict:
+    """The uninterrupted run every interrupted one must match."""
+    tmp = tmp_path_factory.mktemp("reference")
+    job = make_job(survey_store, str(tmp / "run"))
+    result = run_training(job, tmp, "reference")
+    assert result["summary"]["resumed_from_step"] == 0
+    return {**result, "root": job["run_root"], "tmp": tmp}
+
+
+def kill_and_resume(run_root: str, survey_store: str, tmp_path: Path) -> tuple[dict, list[int]]:
+    job = make_job(survey_store, run_root)
+    proc, log = start_training(job, tmp_path, "attempt0")
+    at_kill = kill_after_first_checkpoint(proc, storage.join(run_root, "ckpt"), log)
+    assert not storage.exists(storage.join(run_root, "final", "config.json"))
+    resumed = run_training(job, tmp_path, "attempt1")
+    return resumed, at_kill
+
+
+@pytest.mark.timeout(400)
+def test_sigkilled_run_resumes_exactly_local(survey_store, reference, tmp_path):
+    run_root = str(tmp_path / "run")
+    resumed, at_kill = kill_and_resume(run_root, survey_store, tmp_path)
+    start = resumed["summary"]["resumed_from_step"]
+    assert start in at_kill and 0 < start < MAX_STEPS, (start, at_kill)
+    assert f"resumed from {checkpoint.step_dir(storage.join(run_root, 'ckpt'), start)}" in resumed["log"]
+    assert resumed["summary"]["steps_this_attempt"] == MAX_STEPS - start
+    assert_same_run(resumed, reference, run_root, reference["root"])
+    # the resolved config was written once, by the first attempt, next to the outputs
+    assert json.loads(Path(run_root, "job_config.json").read_text())["train"]["max_steps"] == MAX_STEPS
+    assert checkpoint.complete_steps(storage.join(run_root, "ckpt")) == [MAX_STEPS - EVERY, MAX_STEPS]
+
+
+@pytest.mark.timeout(400)
+def test_sigkilled_run_resumes_exactly_on_s3(survey_store, reference, tmp_path, s3_env):
+    bucket = s3_env.make_bucket("sfm-resume")
+    run_root = storage.join(bucket, "checkpoints", "run")
+    resumed, at_kill = kill_and_resume(run_root, survey_store, tmp_path)
+    start = resumed["summary"]["resumed_from_step"]
+    assert start in at_kill and 0 < start < MAX_STEPS, (start, at_kill)
+    assert_same_run(resumed, reference, run_root, reference["root"])
+    keys = s3_env.keys("sfm-resume")
+    last = f"checkpoints/run/ckpt/step-{MAX_STEPS:06d}/"
+    assert {last + p for p in ("model.safetensors", "optimizer.pt", "rng-rank0.pt", "state.json")} <= set(keys)
+    assert "checkpoints/run/final/model.safetensors" in keys and "checkpoints/run/job_config.json" in keys
+
+
+@pytest.mark.timeout(400)
+def test_unreadable_latest_checkpoint_falls_back_and_still_ends_exactly(reference, survey_store, tmp_path):
+    run_root = tmp_path / "run"
+    shutil.copytree(Path(reference["root"]) / "ckpt", run_root / "ckpt")
+    shutil.copy(Path(reference["root"]) / "job_config.json", run_root / "job_config.json")
+    latest = run_root / "ckpt" / f"step-{MAX_STEPS:06d}" / "model.safetensors"
+    latest.write_bytes(latest.read_bytes()[:1000])  # a torn write
+    result = run_training(make_job(survey_store, str(run_root)), tmp_path, "fallback")
+    assert "unreadable" in result["log"] and "falling back" in result["log"]
+    assert result["summary"]["resumed_from_step"] == MAX_STEPS - EVERY
+    assert_same_run(result, reference, str(run_root), reference["root"])
