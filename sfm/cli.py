@@ -122,6 +122,67 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 1 if info["state"] in ("stale", "failed") else 0
 
 
+def _job_config(args: argparse.Namespace):
+    from sfm.config import JobConfig
+
+    return JobConfig.from_toml(args.config or None, args.overrides)
+
+
+def _cmd_train(args: argparse.Namespace) -> None:
+    """Train one node's share of a job (outside Metaflow: by hand, or on each node of a Slurm job)."""
+    from sfm import slurm, storage
+    from sfm.launch import port_for
+
+    cfg = _job_config(args)
+    run_root = storage.normalize(args.run_root)
+    surveys = slurm.training_surveys(surveys=args.surveys, data_root=args.data_root, held_out=args.held_out)
+    launch = slurm.NodeLaunch(nodes=args.nodes or cfg.dist.nodes, procs_per_node=args.procs_per_node or
+                              cfg.dist.procs_per_node, node_rank=args.node_rank, main_addr=args.main_addr,
+                              main_port=args.main_port or port_for(run_root))
+    result = slurm.train_node(cfg, surveys=surveys, run_root=run_root, launch=launch, dry_run=args.dry_run)
+    if args.dry_run:
+        print(json.dumps(result))
+    elif result is not None:
+        print(json.dumps({k: result.get(k) for k in ("steps", "resumed_from_step", "world_size", "initial_loss",
+                                                     "final_loss", "samples_per_s", "model_url")}))
+
+
+def _cmd_slurm_script(args: argparse.Namespace) -> None:
+    """Write the sbatch script that runs `sfm train` on every node of a Slurm allocation."""
+    import shlex
+
+    from sfm import slurm, storage
+
+    cfg = _job_config(args)
+    opts = slurm.SbatchOptions(
+        data_root=storage.normalize(args.data_root) if args.data_root else "", run_root=storage.normalize(args.run_root),
+        nodes=args.nodes or cfg.dist.nodes, procs_per_node=args.procs_per_node or cfg.dist.procs_per_node,
+        surveys=args.surveys, held_out=args.held_out, job_name=args.job_name, partition=args.partition,
+        account=args.account, time=args.time, output=args.log, requeue_before_s=args.requeue_before,
+        setup=args.setup, auto_resume=args.auto_resume)
+    script = slurm.render_sbatch(cfg, opts, command_line=shlex.join(["sfm", *sys.argv[1:]]))
+    if args.out == "-":
+        sys.stdout.write(script)
+        return
+    storage.write_bytes(args.out, script.encode())
+    print(f"sfm slurm-script: wrote {args.out} ({opts.nodes} node(s) x {opts.procs_per_node} process(es)); "
+          f"submit with: sbatch {args.out}", file=sys.stderr)
+
+
+def _job_arguments(p: argparse.ArgumentParser) -> None:
+    """What `sfm train` and `sfm slurm-script` share: the job config, the data, the run root, the size."""
+    p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE", help="config overrides, e.g. train.max_steps=500")
+    p.add_argument("--config", default="", help="TOML job config (default: sfm/default.toml)")
+    p.add_argument("--data-root", default="", help="train on every survey published in this data root's manifest")
+    p.add_argument("--surveys", default="", help="comma-separated survey store URLs to train on instead")
+    p.add_argument("--held-out", default="", help="with --data-root: comma-separated survey names/ids to leave out")
+    p.add_argument("--run-root", required=True, help="where checkpoints, the final model and the summary go; "
+                   "a run started again with the same run root resumes from its newest checkpoint")
+    p.add_argument("--nodes", type=int, default=0, help="nodes in the job (default: the config's [dist] nodes)")
+    p.add_argument("--procs-per-node", type=int, default=0,
+                   help="training processes per node, one per GPU (default: the config's [dist] procs_per_node)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sfm", description="Seismic foundation model pipeline")
     parser.add_argument("--allow-insecure-s3", action="store_true",
@@ -182,6 +243,27 @@ def build_parser() -> argparse.ArgumentParser:
                    "running job counts as stale (default 600)")
     p.add_argument("--json", action="store_true", help="print the heartbeat as JSON")
     p.set_defaults(func=_cmd_status)
+    p = sub.add_parser("train", help="train one node's share of a job (every node runs it; rendezvous at --main-addr)")
+    _job_arguments(p)
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nodes-1")
+    p.add_argument("--main-addr", default="127.0.0.1", help="address of node 0, where the nodes rendezvous")
+    p.add_argument("--main-port", type=int, default=0, help="rendezvous port (default: derived from --run-root)")
+    p.add_argument("--dry-run", action="store_true", help="print this node's launch plan (JSON) instead of training")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("slurm-script", help="write an sbatch script running `sfm train` on every node (HyperPod Slurm)")
+    _job_arguments(p)
+    p.add_argument("--out", default="-", help="file to write (default: stdout)")
+    p.add_argument("--job-name", default="sfm-pretrain")
+    p.add_argument("--partition", default="")
+    p.add_argument("--account", default="")
+    p.add_argument("--time", default="", help="time limit, e.g. 2-00:00:00; the job requeues itself before it")
+    p.add_argument("--log", default="sfm-pretrain-%j.log", help="Slurm output file (appended across requeues)")
+    p.add_argument("--requeue-before", type=int, default=120, help="seconds before the time limit to requeue")
+    p.add_argument("--setup", default="", help="shell line each node runs first, e.g. 'source /fsx/venv/bin/activate'")
+    p.add_argument("--auto-resume", action="store_true",
+                   help="HyperPod: srun --auto-resume=1 (replace a faulty node and rerun the step)")
+    p.set_defaults(func=_cmd_slurm_script)
     return parser
 
 
