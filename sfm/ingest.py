@@ -27,7 +27,6 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from sfm.segy import (
     DIGEST_ALGORITHM, SegyLayout, SurveyGeometry, TraceReader, build_geometry, cdp_coordinates,
     header_fields_needed, read_layout, scan_file, text_header,
 )
+from sfm.store_writer import GroupWriter
 
 STORE_VERSION = 1
 PERCENTILES = (0.1, 1, 50, 99, 99.9)
@@ -297,21 +297,20 @@ def _float16_transform(plan: _Plan, reader: TraceReader, n_traces: int) -> None:
     plan.scale, plan.hole, plan.offset = scale, float(hole), -float(hole) * scale
 
 
-def _create_arrays(root, plan: _Plan, geometry: SurveyGeometry, layout: SegyLayout, headers: dict) -> Any:
-    """Create (or reuse, when an earlier attempt made the same ones) the store's arrays; returns amplitude."""
+def _create_arrays(group: GroupWriter, plan: _Plan, geometry: SurveyGeometry, layout: SegyLayout,
+                   headers: dict) -> None:
+    """The store's arrays: ``amplitude`` (metadata only; its shards come later) and the small ones."""
     from zarr.codecs import BloscCodec
 
     n_il, n_xl, ns = plan.shape
     amp_attrs = {"coordinates": "cdp_x cdp_y", "long_name": "amplitude"}
     if plan.dtype == "float16":  # CF convention: xarray decodes stored values back to amplitude
         amp_attrs.update({"scale_factor": plan.scale, "add_offset": plan.offset})
-    spec = {
-        "shape": plan.shape, "chunks": plan.bricks, "dtype": plan.dtype,
-        "shards": {"shape": plan.shards, "index_location": "start"},
-        "compressors": BloscCodec(cname="zstd", clevel=1, shuffle="shuffle"),
-        "fill_value": plan.hole, "dimension_names": ["inline", "crossline", "sample"],
-    }
-    amp = _array(root, "amplitude", spec, amp_attrs, config={"write_empty_chunks": False})
+    group.create_array(
+        "amplitude", shape=plan.shape, chunks=plan.bricks, dtype=plan.dtype,
+        shards={"shape": plan.shards, "index_location": "start"},
+        compressors=BloscCodec(cname="zstd", clevel=1, shuffle="shuffle"), fill_value=plan.hole,
+        dimension_names=["inline", "crossline", "sample"], attributes=amp_attrs)
     mask = np.zeros((n_il, n_xl), dtype=bool)
     mask[geometry.trace_il, geometry.trace_xl] = True
     cdp_x, cdp_y, _ = cdp_coordinates(geometry, headers)
@@ -324,56 +323,39 @@ def _create_arrays(root, plan: _Plan, geometry: SurveyGeometry, layout: SegyLayo
         ("sample", np.arange(ns) * layout.sample_interval_us / 1000.0, ["sample"], {"units": "ms"}),
     )
     for name, values, dims, attributes in small:
-        spec = {"shape": values.shape, "chunks": values.shape, "dtype": str(values.dtype), "fill_value": 0,
-                "dimension_names": dims, "compressors": BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")}
-        _array(root, name, spec, attributes)[...] = values
-    return amp
-
-
-def _array(root, name: str, spec: dict[str, Any], attributes: dict[str, Any], **kwargs):
-    """Array ``name`` as ``spec`` says: an existing one with that exact shape, dtype, bricks and fill value
-    is reused (an interrupted attempt with the same plan; overwriting its objects with the same bytes
-    never leaves a concurrent writer's store incomplete), anything else is replaced."""
-    try:
-        arr = root[name]
-    except KeyError:
-        arr = None
-    if arr is not None and _same_array(arr, spec):
-        arr.attrs.put(attributes)
-        return arr
-    return root.create_array(name, **spec, attributes=attributes, overwrite=True, **kwargs)
-
-
-def _same_array(arr, spec: dict) -> bool:
-    shards = spec.get("shards", {}).get("shape")
-    try:
-        return (tuple(arr.shape) == tuple(spec["shape"]) and str(arr.dtype) == str(spec["dtype"])
-                and tuple(arr.chunks) == tuple(spec["chunks"]) and arr.shards == (tuple(shards) if shards else None)
-                and float(arr.metadata.fill_value) == float(spec["fill_value"]))
-    except (AttributeError, TypeError, ValueError):
-        return False
+        group.create_array(name, values, shape=values.shape, chunks=values.shape, dtype=values.dtype, fill_value=0,
+                           dimension_names=dims, attributes=attributes,
+                           compressors=BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"))
+    group.put(layout_of=["amplitude"])
 
 
 def _write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, headers: dict,
                  attrs: dict[str, Any], opts: IngestOptions, progress: bool) -> dict[str, Any]:
     """Write the Zarr v3 group and return the statistics (computed while the traces stream through)."""
-    import zarr
-
     plan = _plan(layout, geometry, opts)
     cells = geometry.cell_traces()  # [IL, XL] trace number or -1
     stride = max(1, layout.n_traces // PERCENTILE_TRACES)
     with TraceReader(layout) as reader:
         if plan.dtype == "float16":
             _float16_transform(plan, reader, layout.n_traces)
-        root = zarr.open_group(storage.zarr_store(store_url), mode="a", zarr_format=3)
-        amp = _create_arrays(root, plan, geometry, layout, headers)
+        group = GroupWriter(store_url)
+        _create_arrays(group, plan, geometry, layout, headers)
+        writer = group.shards("amplitude")
+        buffers = threading.local()  # one brick column per thread, reused: no page faults per column
 
         def work(unit: tuple[int, int, int, int]) -> _Moments:
             il0, il1, xl0, xl1 = unit
-            data, moments = _read_unit(reader, cells[il0:il1, xl0:xl1], layout.samples, stride, opts)
+            if getattr(buffers, "column", None) is None:
+                buffers.column = np.empty((plan.bricks[0], plan.bricks[1], layout.samples), dtype=np.float32)
+            column = buffers.column[: il1 - il0, : xl1 - xl0]
+            unit_cells = cells[il0:il1, xl0:xl1]
+            moments = _read_unit(reader, unit_cells, column, stride)
             if moments.n == 0:
-                return moments  # all holes: nothing to write (zarr would skip the empty shard anyway)
-            amp[il0:il1, xl0:xl1, :] = _encode(data, cells[il0:il1, xl0:xl1] >= 0, plan)
+                return moments  # all holes: no shard (zarr reads fill value, which decodes to 0)
+            stored = _encode(column, unit_cells >= 0, plan, buffers)
+            depth = plan.shards[2]
+            for k in range(writer.shards_per_column):
+                writer.write((il0 // plan.bricks[0], xl0 // plan.bricks[1], k), stored[:, :, k * depth : (k + 1) * depth])
             return moments
 
         total = _Moments()
@@ -415,21 +397,23 @@ def _write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, h
                                         "offset": plan.offset, "scale": plan.scale, "hole_value": plan.hole,
                                         "decode": "amplitude = stored * scale + offset"}
     validate("survey_store", attrs, f"survey store {store_url}")
-    root.attrs.put(attrs)  # replaces everything, so nothing of an earlier attempt's attributes survives
-    with warnings.catch_warnings():  # consolidated metadata is a zarr-python extension to v3; xarray uses it
-        warnings.simplefilter("ignore", category=UserWarning)
-        zarr.consolidate_metadata(root.store)
+    group.finish(attrs)
     return stats
 
 
-def _read_unit(reader: TraceReader, cells: np.ndarray, ns: int, stride: int, opts: IngestOptions
-               ) -> tuple[np.ndarray, _Moments]:
-    """One brick column: traces of ``cells`` [a, b] (trace numbers, -1 holes) -> (data [a, b, NS] float32, moments)."""
-    data = np.zeros((*cells.shape, ns), dtype=np.float32)
+def _read_unit(reader: TraceReader, cells: np.ndarray, column: np.ndarray, stride: int) -> _Moments:
+    """Fill one brick column ``column`` [a, b, NS] float32 with the traces of ``cells`` [a, b] (trace
+    numbers, -1 for holes, which become 0) and return the statistics of its live samples.
+
+    Consecutive trace numbers are read with one ``pread`` and, along a crossline row (inline-sorted
+    files) or an inline column (crossline-sorted), converted straight into place.
+    """
     moments = _Moments()
-    li, lj = np.nonzero(cells >= 0)
+    live = cells >= 0
+    column[~live] = 0.0
+    li, lj = np.nonzero(live)
     if li.size == 0:
-        return data, moments
+        return moments
     traces = cells[li, lj]
     order = np.argsort(traces, kind="stable")
     traces, li, lj = traces[order], li[order], lj[order]
@@ -438,12 +422,12 @@ def _read_unit(reader: TraceReader, cells: np.ndarray, ns: int, stride: int, opt
         start, stop = int(traces[lo]), int(traces[hi - 1]) + 1
         i, j = li[lo:hi], lj[lo:hi]
         in_place = True
-        if i[0] == i[-1] and j[-1] - j[0] == hi - lo - 1:  # along a crossline row: read straight into place
-            block = data[i[0], j[0] : j[-1] + 1]
-        elif j[0] == j[-1] and i[-1] - i[0] == hi - lo - 1:  # along an inline column (crossline-sorted)
-            block = data[i[0] : i[-1] + 1, j[0]]
+        if i[0] == i[-1] and j[-1] - j[0] == hi - lo - 1:  # along a crossline row
+            block = column[i[0], j[0] : j[-1] + 1]
+        elif j[0] == j[-1] and i[-1] - i[0] == hi - lo - 1:  # along an inline column
+            block = column[i[0] : i[-1] + 1, j[0]]
         else:
-            block, in_place = np.empty((stop - start, ns), dtype=np.float32), False
+            block, in_place = np.empty((stop - start, column.shape[2]), dtype=np.float32), False
         reader.read_into(start, stop, block)
         if not (np.isfinite(block.min()) and np.isfinite(block.max())):
             bad = ~np.isfinite(block)
@@ -452,22 +436,25 @@ def _read_unit(reader: TraceReader, cells: np.ndarray, ns: int, stride: int, opt
                 moments.first_nonfinite = start + int(np.nonzero(bad.any(axis=1))[0][0])
             block[bad] = 0.0
         if not in_place:
-            data[i, j] = block
+            column[i, j] = block
         moments.add_block(block)
         keep = np.nonzero(np.arange(start, stop) % stride == 0)[0]
         if keep.size:
             moments.sample.append(block[keep].copy())
-    return data, moments
+    return moments
 
 
-def _encode(data: np.ndarray, live: np.ndarray, plan: _Plan) -> np.ndarray:
-    """The stored values of ``data`` [a, b, NS]: itself (float32), or standardised float16."""
+def _encode(column: np.ndarray, live: np.ndarray, plan: _Plan, buffers) -> np.ndarray:
+    """The stored values of ``column`` [a, b, NS]: itself (float32), or standardised float16."""
     if plan.dtype == "float32":
-        return data
-    data -= np.float32(plan.offset)
-    data *= np.float32(1.0 / plan.scale)
-    np.clip(data, -FLOAT16_MAX, FLOAT16_MAX, out=data)
-    stored = data.astype(np.float16)
+        return column
+    column -= np.float32(plan.offset)
+    column *= np.float32(1.0 / plan.scale)
+    np.clip(column, -FLOAT16_MAX, FLOAT16_MAX, out=column)
+    if getattr(buffers, "half", None) is None:
+        buffers.half = np.empty((plan.bricks[0], plan.bricks[1], plan.shape[2]), dtype=np.float16)
+    stored = buffers.half[: column.shape[0], : column.shape[1]]
+    np.copyto(stored, column, casting="same_kind")
     stored[~live] = np.float16(plan.hole)
     return stored
 

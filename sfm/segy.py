@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -185,7 +185,7 @@ def layout_from_header(path: str, head: bytes, size: int, endian: str = "auto") 
         plausible = []
         for candidate in ("big", "little"):
             f = _binary_fields(binary, candidate)
-            if _format_problem(f["format"]) is None and f["samples"] > 0:
+            if (f["format"] in SAMPLE_FORMATS or f["format"] in UNSUPPORTED_FORMATS) and f["samples"] > 0:
                 plausible.append(candidate)
         if len(plausible) == 2:  # both readings look valid: keep the one whose traces fill the file exactly
             whole = [o for o in plausible if _layout(name, path, binary, size, o, "").n_traces_exact]
@@ -255,8 +255,8 @@ def scan_file(layout: SegyLayout, fields: list[tuple[int, int]], workers: int | 
               ) -> tuple[str, dict[tuple[int, int], np.ndarray]]:
     """Digest the whole file and read trace header ``fields`` [(1-based byte, width 2 or 4)], in one pass.
 
-    The file is read in :data:`SCAN_BLOCK_BYTES` blocks by ``workers`` threads (hashlib and pread
-    release the GIL), so memory stays at one block per worker whatever the file size.
+    The file is mapped in :data:`SCAN_BLOCK_BYTES` windows, one per thread at a time (hashlib
+    releases the GIL), so memory stays at a window per worker whatever the file size.
 
     Returns:
         digest: hex sha256 over the size and the sha256 of every block (see :data:`DIGEST_ALGORITHM`).
@@ -268,7 +268,6 @@ def scan_file(layout: SegyLayout, fields: list[tuple[int, int]], workers: int | 
     values = {f: np.empty(layout.n_traces, dtype=np.int32) for f in fields}
     digests: list[bytes] = [b""] * n_blocks
     order = ">" if layout.endian == "big" else "<"
-    local = threading.local()
     fd = os.open(layout.path, os.O_RDONLY)
 
     def headers_in(start: int, data: memoryview) -> None:
@@ -292,14 +291,15 @@ def scan_file(layout: SegyLayout, fields: list[tuple[int, int]], workers: int | 
                 values[(byte, width)][t] = raw[byte - 1 : byte - 1 + width].view(f"{order}i{width}")[0]
 
     def one_block(k: int) -> None:
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = bytearray(SCAN_BLOCK_BYTES)
         start = k * SCAN_BLOCK_BYTES
-        n = os.preadv(fd, [memoryview(buf)[: min(SCAN_BLOCK_BYTES, size - start)]], start)
-        view = memoryview(buf)[:n]
-        digests[k] = hashlib.sha256(view).digest()
-        headers_in(start, view)
+        # a mapped window, not a read: no copy out of the page cache, and RSS stays at the windows in use
+        with mmap.mmap(fd, min(SCAN_BLOCK_BYTES, size - start), offset=start, access=mmap.ACCESS_READ) as window:
+            view = memoryview(window)
+            try:
+                digests[k] = hashlib.sha256(view).digest()
+                headers_in(start, view)
+            finally:
+                view.release()
 
     try:
         with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool:
@@ -391,7 +391,7 @@ def _grid(layout: SegyLayout, headers: dict, il_byte: int, xl_byte: int, max_spa
     if cells / n > max_sparsity:
         raise _GridProblem(
             f"the {n_il} x {n_xl} grid (inline step {il_step}, crossline step {xl_step}) has {cells / n:.1f} cells per "
-            f"trace, more than the limit {max_sparsity:g}; if the geometry is right, raise --max-sparsity to "
+            f"trace, more than the limit {max_sparsity:g}; if the geometry is right, pass --max-sparsity "
             f"{math.ceil(cells / n)}"
         )
     trace_il = ((il.astype(np.int64) - il0) // il_step).astype(np.int32)
@@ -444,6 +444,11 @@ def build_geometry(layout: SegyLayout, headers: dict[tuple[int, int], np.ndarray
             if problem.fatal:
                 raise SFMError(str(problem)) from None
             problems.append(((il_byte, xl_byte), problem))
+            continue
+        if not given and (il_byte, xl_byte) != DEFAULT_BYTE_PAIR and min(geometry.shape) < 2:
+            # a detected pair must look like a 3D grid: a constant field (often 0) is not a line number
+            problems.append(((il_byte, xl_byte), _GridProblem(
+                f"a {geometry.shape[0]} x {geometry.shape[1]} grid, not a 3D survey")))
             continue
         geometry.extra["byte_locations"] = "given" if given else (
             "default" if (il_byte, xl_byte) == DEFAULT_BYTE_PAIR else "detected")
@@ -513,34 +518,33 @@ class TraceReader:
         order = ">" if layout.endian == "big" else "<"
         self._dtype = np.dtype(f"{order}{code}") if code else None  # None: IBM float
         self._fd = os.open(layout.path, os.O_RDONLY)
-        self._local = threading.local()
-
-    def _buffer(self, nbytes: int) -> memoryview:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < nbytes:
-            buf = self._local.buf = bytearray(max(nbytes, 1 << 20))
-        return memoryview(buf)[:nbytes]
 
     def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
-        """Traces [start, stop) into ``out`` [stop - start, samples] float32 (any writable view)."""
+        """Traces [start, stop) into ``out`` [stop - start, samples] float32 (any writable view).
+
+        The run's bytes are mapped (no copy out of the page cache) and converted straight into ``out``.
+        """
         lay = self.layout
         n = stop - start
-        view = self._buffer(n * lay.trace_bytes)
-        got = os.preadv(self._fd, [view], lay.data_offset + start * lay.trace_bytes)
-        if got != len(view):
-            raise SFMError(f"{lay.name} changed while it was read (short read at trace #{start + 1}); "
+        first = lay.data_offset + start * lay.trace_bytes
+        nbytes = n * lay.trace_bytes
+        if os.fstat(self._fd).st_size < first + nbytes:
+            raise SFMError(f"{lay.name} changed while it was read (it ends before trace #{stop}); "
                            "ingest a file that is not being written")
-        records = np.frombuffer(view, dtype=np.uint8).reshape(n, lay.trace_bytes)[:, lay.trace_header_bytes :]
-        if self._dtype is not None:
-            np.copyto(out, records.view(self._dtype), casting="unsafe")
-            return
-        import segyio._segyio  # noqa: F401  (segyio.tools.native needs the extension loaded)
-        import segyio.tools
-
-        ibm = np.ascontiguousarray(records).view(np.float32)  # raw bytes, converted in place below
-        if lay.endian == "little":
-            ibm.byteswap(inplace=True)  # segyio's converter expects the big-endian byte layout
-        out[...] = segyio.tools.native(ibm, format=1, copy=False)
+        aligned = first - first % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(self._fd, first + nbytes - aligned, offset=aligned, access=mmap.ACCESS_READ) as window:
+            raw = np.frombuffer(window, dtype=np.uint8, count=nbytes, offset=first - aligned)
+            samples = raw.reshape(n, lay.trace_bytes)[:, lay.trace_header_bytes :]
+            try:
+                if self._dtype is not None:
+                    np.copyto(out, samples.view(self._dtype), casting="unsafe")
+                else:
+                    ibm = np.ascontiguousarray(samples).view(np.float32)  # raw bytes, converted in place below
+                    if lay.endian == "little":
+                        ibm.byteswap(inplace=True)  # segyio's converter expects the big-endian byte layout
+                    out[...] = _ibm_to_float32(ibm)
+            finally:
+                del raw, samples  # the window cannot close while arrays point into it
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Traces [start, stop) as float32 [stop - start, samples]."""
@@ -558,3 +562,11 @@ class TraceReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _ibm_to_float32(ibm: np.ndarray) -> np.ndarray:
+    """IBM floats (big-endian bytes viewed as float32) -> IEEE float32, in place, by segyio's converter."""
+    import segyio._segyio  # noqa: F401  (segyio.tools.native needs the extension loaded)
+    import segyio.tools
+
+    return segyio.tools.native(ibm, format=1, copy=False)

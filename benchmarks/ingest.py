@@ -1,0 +1,243 @@
+"""Ingest benchmark (issue 3): generated SEG-Y of at least 1 GB, everything measured side by side in one run.
+
+    python benchmarks/ingest.py [--gb 1.0] [--big-gb 4.0] [--repeat 2] [--workdir DIR]
+
+Figures (the last line printed is one JSON object with all of them):
+
+- floor: the larger of (a1) the time to read every trace of the file with segyio alone and (a2) the
+  time to encode the same samples, as the store's 128^3 float32 bricks, with the store's codec on
+  all cores;
+- ingest: ``sfm.ingest.ingest_survey`` of the same file into a fresh data root (a child process;
+  the time ingest_survey reports, from opening the file to the published manifest row);
+  goal floor / ingest >= 0.8;
+- peer: what a user would write instead, a plain single-process segyio-to-zarr copy with default
+  settings (``segyio.tools.cube`` then ``zarr.create_array(data=...)``); goal peer / ingest >= 2;
+- peak RSS (``ru_maxrss`` of the child process) of ingesting a ``--gb`` and a ``--big-gb`` input;
+  goal big / small <= 1.3.
+
+The files are generated into a temporary directory (page cache warmed before timing) and removed at
+the end. Each timing is the best of ``--repeat`` runs, alternated so background load hits all alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+PROJECT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(PROJECT))
+
+from sfm.synth import synthesize_volume, write_segy  # noqa: E402
+
+TILE = (32, 512, 1024)  # inlines x crosslines x samples of one generated tile (64 MiB of float32)
+BRICK = 128
+
+
+def generate_segy(path: Path, gigabytes: float, seed: int = 0) -> dict:
+    """A post-stack SEG-Y (IEEE float, big-endian, inline-sorted) of about ``gigabytes`` GB.
+
+    One synthetic tile (sfm.synth geology, faults, wavelet) is written with sfm.synth.write_segy,
+    then repeated along the inline axis with fresh noise and a sample shift per copy, so every
+    trace differs and the codec sees realistic data. Memory stays at a few tiles.
+    """
+    ni, nx, ns = TILE
+    trace_bytes = 240 + 4 * ns
+    n_tiles = max(1, round(gigabytes * 1e9 / (ni * nx * trace_bytes)))
+    amplitude, _ = synthesize_volume(TILE, seed)
+    tile_file = path.with_suffix(".tile.sgy")
+    write_segy(tile_file, amplitude, sample_format=5)
+    head = tile_file.read_bytes()[:3600]
+    record = np.dtype([("header", np.uint8, (240,)), ("data", ">f4", (ns,))])
+    tile = np.fromfile(tile_file, dtype=record, offset=3600)
+    tile_file.unlink()
+    inline = tile["header"][:, 188:192].copy().view(">i4").ravel()
+    rng = np.random.default_rng(seed)
+    out = np.empty(len(tile), dtype=record)
+    with open(path, "wb") as fh:
+        fh.write(head)
+        for k in range(n_tiles):
+            out["header"] = tile["header"]
+            out["header"][:, 188:192] = (inline + k * ni).astype(">i4").view(np.uint8).reshape(-1, 4)
+            noise = rng.standard_normal((len(tile), ns), dtype=np.float32) * np.float32(0.2)
+            out["data"] = np.roll(amplitude, 7 * k, axis=2).reshape(-1, ns) + noise
+            out.tofile(fh)
+    return {"path": str(path), "bytes": path.stat().st_size, "shape": [ni * n_tiles, nx, ns]}
+
+
+def warm(path: str) -> None:
+    with open(path, "rb") as fh:
+        while fh.read(64 << 20):
+            pass
+
+
+def segyio_read_seconds(path: str) -> float:
+    """(a1) every trace read by segyio, in blocks, converted to float32 as segyio returns them."""
+    import segyio
+
+    t0 = time.perf_counter()
+    with segyio.open(path, ignore_geometry=True) as f:
+        n = f.tracecount
+        for start in range(0, n, 4096):
+            f.trace.raw[start : min(n, start + 4096)]
+    return time.perf_counter() - t0
+
+
+def encode_seconds(path: str, shape: list[int]) -> tuple[float, float]:
+    """(a2) the file's samples as 128^3 float32 bricks, encoded with the store's codec on all cores.
+
+    The bricks are prepared first (not timed); returns (seconds, compressed / raw).
+    """
+    import numcodecs
+
+    ni, nx, ns = shape
+    record = np.dtype([("header", np.uint8, (240,)), ("data", ">f4", (ns,))])
+    traces = np.memmap(path, dtype=record, mode="r", offset=3600)["data"].reshape(ni, nx, ns)
+    codec = numcodecs.Blosc(cname="zstd", clevel=1, shuffle=numcodecs.Blosc.SHUFFLE)  # the store's codec
+    bricks = [np.ascontiguousarray(traces[i : i + BRICK, j : j + BRICK, k : k + BRICK], dtype=np.float32)
+              for i in range(0, ni, BRICK) for j in range(0, nx, BRICK) for k in range(0, ns, BRICK)]
+    del traces
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        t0 = time.perf_counter()
+        sizes = list(pool.map(lambda b: len(codec.encode(b)), bricks))
+        seconds = time.perf_counter() - t0
+    return seconds, sum(sizes) / sum(b.nbytes for b in bricks)
+
+
+INGEST_CHILD = """
+import json, sys
+from sfm.ingest import ingest_survey
+row = ingest_survey(sys.argv[1], sys.argv[2])
+print(json.dumps({"seconds": row["seconds"], "status": row["status"], "store_url": row["store_url"]}))
+"""
+
+PEER_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+import segyio, zarr
+cube = segyio.tools.cube(sys.argv[1])
+zarr.create_array(store=sys.argv[2], data=cube, zarr_format=3)
+print(json.dumps({"seconds": time.perf_counter() - t0}))
+"""
+
+
+def run_child(code: str, *args: str) -> dict:
+    """Run a Python child, return its JSON line plus its wall time and peak RSS (MB)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=PROJECT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    out, err = proc.stdout.read(), proc.stderr.read()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child failed ({proc.returncode}): {err[-2000:]}")
+    result = json.loads(out.strip().splitlines()[-1])
+    return {**result, "wall_s": wall, "max_rss_mb": usage.ru_maxrss / 1024}
+
+
+def check_store(store_url: str, path: str, shape: list[int]) -> bool:
+    """A few inlines of the store equal what segyio reads there."""
+    import segyio
+    import zarr
+
+    arr = zarr.open_group(store_url, mode="r")["amplitude"]
+    ni, nx, ns = shape
+    with segyio.open(path, ignore_geometry=True) as f:
+        for i in (0, ni // 2, ni - 1):
+            expected = np.asarray(f.trace.raw[i * nx : (i + 1) * nx], dtype=np.float32)
+            if not np.array_equal(arr[i], expected):
+                return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gb", type=float, default=1.0, help="size of the main input (GB, at least 1)")
+    parser.add_argument("--big-gb", type=float, default=4.0, help="size of the input for the memory comparison")
+    parser.add_argument("--repeat", type=int, default=2, help="timings are the best of this many runs")
+    parser.add_argument("--workdir", default=None, help="where to put the generated files (default: a temp dir)")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="sfm-bench-ingest-", dir=args.workdir))
+    try:
+        t0 = time.perf_counter()
+        small = generate_segy(work / "survey-small.sgy", args.gb, seed=1)
+        big = generate_segy(work / "survey-big.sgy", args.big_gb, seed=2)
+        print(f"generated {small['bytes'] / 1e9:.2f} GB {small['shape']} and {big['bytes'] / 1e9:.2f} GB "
+              f"{big['shape']} in {time.perf_counter() - t0:.0f}s", flush=True)
+        path = small["path"]
+
+        timings: dict[str, list[float]] = {"segyio_read_s": [], "encode_all_cores_s": [], "ingest_s": [],
+                                           "peer_s": []}
+        rss_small, ingest_wall, ratio, correct = [], [], 0.0, True
+        for rep in range(args.repeat):
+            warm(path)
+            timings["segyio_read_s"].append(segyio_read_seconds(path))
+            seconds, ratio = encode_seconds(path, small["shape"])
+            timings["encode_all_cores_s"].append(seconds)
+            warm(path)
+            root = work / f"root-{rep}"
+            child = run_child(INGEST_CHILD, path, str(root))
+            timings["ingest_s"].append(child["seconds"])
+            ingest_wall.append(child["wall_s"])
+            rss_small.append(child["max_rss_mb"])
+            correct = correct and check_store(child["store_url"], path, small["shape"])
+            shutil.rmtree(root)
+            warm(path)
+            peer = run_child(PEER_CHILD, path, str(work / f"peer-{rep}.zarr"))
+            timings["peer_s"].append(peer["seconds"])
+            shutil.rmtree(work / f"peer-{rep}.zarr")
+            print(f"run {rep + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in timings.items())
+                  + f", ingest rss {rss_small[-1]:.0f} MB, peer rss {peer['max_rss_mb']:.0f} MB", flush=True)
+        peer_rss = peer["max_rss_mb"]
+
+        warm(big["path"])
+        big_run = run_child(INGEST_CHILD, big["path"], str(work / "root-big"))
+        shutil.rmtree(work / "root-big")
+        print(f"big: ingest {big_run['seconds']:.2f}s, rss {big_run['max_rss_mb']:.0f} MB", flush=True)
+
+        best = {k: min(v) for k, v in timings.items()}
+        floor = max(best["segyio_read_s"], best["encode_all_cores_s"])
+        result = {
+            "input_gb": round(small["bytes"] / 1e9, 3), "input_shape": small["shape"],
+            "big_input_gb": round(big["bytes"] / 1e9, 3), "big_input_shape": big["shape"],
+            "cores": os.cpu_count(), "repeat": args.repeat,
+            **{k: round(v, 3) for k, v in best.items()},
+            "codec_ratio": round(ratio, 3),
+            "floor_s": round(floor, 3),
+            "ingest_wall_s": round(min(ingest_wall), 3),
+            "floor_over_ingest": round(floor / best["ingest_s"], 3),
+            "goal_floor_over_ingest": 0.8,
+            "ingest_mb_per_s": round(small["bytes"] / 1e6 / best["ingest_s"], 1),
+            "peer_over_ingest": round(best["peer_s"] / best["ingest_s"], 3),
+            "goal_peer_over_ingest": 2.0,
+            "rss_ingest_small_mb": round(min(rss_small), 1),
+            "rss_ingest_big_mb": round(big_run["max_rss_mb"], 1),
+            "rss_big_over_small": round(big_run["max_rss_mb"] / min(rss_small), 3),
+            "goal_rss_big_over_small": 1.3,
+            "rss_peer_small_mb": round(peer_rss, 1),
+            "big_ingest_s": round(big_run["seconds"], 3),
+            "stored_values_equal_segyio": correct,
+        }
+        result["goals_met"] = {
+            "floor_over_ingest": result["floor_over_ingest"] >= 0.8,
+            "peer_over_ingest": result["peer_over_ingest"] >= 2.0,
+            "rss_big_over_small": result["rss_big_over_small"] <= 1.3,
+        }
+        print(json.dumps(result))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
