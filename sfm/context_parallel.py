@@ -250,12 +250,12 @@ def _run_blocks(model: nn.Module, blocks: nn.ModuleList, x: torch.Tensor) -> tor
     return x
 
 
-def _shared_mask(model: nn.Module, N: int, L: int, K: int, device, group):
+def _shared_mask(model: nn.Module, N: int, L: int, K: int, device, group, generator):
     """The random mask as ``model.random_masking`` draws it, taken from cp rank 0.
 
     -> ids_keep [N, K] (kept token ids in shuffle order), mask [N, L] bool (True: removed)."""
-    index = torch.arange(L, device=device).expand(N, L).unsqueeze(-1)
-    kept, _, ids_restore = model.random_masking(index, mask_ratio_for_kept(L, K))
+    index = torch.arange(L, device=device).expand(N, L).unsqueeze(-1)  # tokens stand in for themselves
+    kept, _, ids_restore = model.random_masking(index, mask_ratio_for_kept(L, K), generator)
     if kept.shape[1] != K:
         raise RuntimeError(f"random_masking kept {kept.shape[1]} tokens, expected {K}")
     ids_restore = ids_restore.contiguous()
@@ -265,7 +265,7 @@ def _shared_mask(model: nn.Module, N: int, L: int, K: int, device, group):
 
 
 def cp_forward_loss(model: nn.Module, slab: torch.Tensor, crop, group: dist.ProcessGroup | None = None,
-                    mask_ratio: float | None = None) -> CPLoss:
+                    mask_ratio: float | None = None, generator: torch.Generator | None = None) -> CPLoss:
     """One MAE forward and loss on a volume batch split across the cp ``group``.
 
     model: a :class:`~sfm.model.MaskedAutoencoder3D` after :func:`apply_context_parallel`.
@@ -273,6 +273,8 @@ def cp_forward_loss(model: nn.Module, slab: torch.Tensor, crop, group: dist.Proc
         ``crop_slab(crop, model.cfg.patch, cp_rank, cp_size)`` (the same N crops on every cp rank).
     crop: the whole crop (D, H, W) in voxels.
     mask_ratio: defaults to ``model.cfg.mask_ratio``; adjusted by :func:`cp_kept_tokens`.
+    generator: the RNG the mask noise is drawn from, as in ``model(imgs, generator=...)``; every
+        cp rank draws, cp rank 0's mask is used.
 
     Backward of ``loss`` on every cp rank, then summing parameter gradients over the group
     (:func:`all_reduce_grads`), gives the single-rank gradients of the same crop and mask.
@@ -289,7 +291,7 @@ def cp_forward_loss(model: nn.Module, slab: torch.Tensor, crop, group: dist.Proc
     grid = tuple(c // p for c, p in zip(crop, cfg.patch))
     L = math.prod(grid)
     K = cp_kept_tokens(L, cfg.mask_ratio if mask_ratio is None else mask_ratio, cp)
-    ids_keep, mask = _shared_mask(model, N, L, K, slab.device, group)
+    ids_keep, mask = _shared_mask(model, N, L, K, slab.device, group, generator)
 
     data_b = [crop_slab(crop, cfg.patch, r, cp).tokens[0] for r in range(cp)] + [L]
     enc_b, dec_b = shard_bounds(K + 1, cp), shard_bounds(L + 1, cp)
@@ -369,17 +371,30 @@ def all_reduce_grads(model: nn.Module, group: dist.ProcessGroup | None, bucket_e
 
 
 class ContextParallelMAE(nn.Module):
-    """A model and its cp group as one module whose forward is the cp step, for DDP or FSDP over
-    the whole dp x cp world: ``DDP(ContextParallelMAE(model, cp_group))(slab, crop)``.
+    """A model, its cp group and the crop as one module whose forward is the cp step, shaped like
+    ``MaskedAutoencoder3D.forward`` so that a loop written for the model (``sfm.train_step``'s
+    ``TrainStep``, Accelerate's DDP/FSDP) runs it unchanged, fed slabs instead of crops::
 
-    Those average gradients over all dp x cp ranks, while the cp terms must be summed, so the
-    returned ``loss`` is the rank's term times cp; the weights live at ``.mae``."""
+        step_model = ContextParallelMAE(model, cp_group, crop)    # then accelerator.prepare(...)
+        loss, _, cp = step_model(slab, generator=g)               # loss.backward(); log loss
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None):
+    ``loss`` has the step's loss as its value (the same on every cp rank: log it) and cp times this
+    rank's term as its gradient: DDP or FSDP averaging over all dp x cp ranks then yields the exact
+    gradient (the cp terms are summed, the dp replicas averaged). Reducing gradients by hand
+    instead? Use :func:`cp_forward_loss` and :func:`all_reduce_grads`. Give DDP/FSDP a process
+    group other than ``group`` (e.g. the world, with cp a ``new_group``), so that their gradient
+    reduction never interleaves with cp's collectives on one communicator. The third element is
+    the :class:`CPLoss` (kept tokens, effective mask ratio) where the model returns its mask; the
+    prediction is not gathered (None). Weights live at ``.mae``.
+    """
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, crop):
         super().__init__()
         self.mae = apply_context_parallel(model, group)
-        self.group = group
+        self.group, self.crop = group, tuple(int(c) for c in crop)
 
-    def forward(self, slab: torch.Tensor, crop, mask_ratio: float | None = None) -> CPLoss:
-        out = cp_forward_loss(self.mae, slab, crop, self.group, mask_ratio)
-        return out._replace(loss=out.loss * dist.get_world_size(self.group))
+    def forward(self, slab: torch.Tensor, mask_ratio: float | None = None,
+                generator: torch.Generator | None = None):
+        out = cp_forward_loss(self.mae, slab, self.crop, self.group, mask_ratio, generator)
+        term = out.loss * dist.get_world_size(self.group)
+        return term + (out.value - term).detach(), None, out

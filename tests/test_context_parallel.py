@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from sfm.context_parallel import (
     ContextParallelMAE,
+    CPLoss,
     all_reduce_grads,
     apply_context_parallel,
     cp_forward_loss,
@@ -30,6 +31,7 @@ from sfm.errors import SFMError
 from sfm.launch import free_port
 from sfm.model import build_model, mae_config
 from sfm.ring_attention import RingAttention, even_split, ring_attention, shard_bounds
+from sfm.train_step import TrainStep
 
 TOL = 1e-5  # relative error, float32
 
@@ -131,7 +133,7 @@ def _grad_errors(model, ref_model) -> dict:
     return {"grad": rel(torch.cat(flat_cp), torch.cat(flat_ref)), "grad_worst_tensor": worst}
 
 
-def _mae_case(crop, group, checkpointing=False, ddp_group=None) -> dict:
+def _mae_case(crop, group, checkpointing=False, ddp_group=None, generator=False) -> dict:
     """One MAE step at cp vs the single-rank model on the same crops and mask."""
     me, cp = dist.get_rank(group), dist.get_world_size(group)
     torch.manual_seed(0)
@@ -142,19 +144,27 @@ def _mae_case(crop, group, checkpointing=False, ddp_group=None) -> dict:
     L = ref_model.cfg.num_patches
     K = cp_kept_tokens(L, ref_model.cfg.mask_ratio, cp)
 
-    torch.manual_seed(123)  # the mask's noise
-    ref_loss, _, ref_mask = ref_model(imgs, mask_ratio=mask_ratio_for_kept(L, K))
+    # the mask's noise: the global RNG or a generator; only cp rank 0's counts (it is broadcast)
+    torch.manual_seed(123)
+    gen = torch.Generator().manual_seed(7) if generator else None
+    ref_loss, _, ref_mask = ref_model(imgs, mask_ratio=mask_ratio_for_kept(L, K), generator=gen)
     ref_loss.backward()
 
     slab = crop_slab(crop, ref_model.cfg.patch, me, cp).of(imgs)
-    torch.manual_seed(123 + 1000 * me)  # only cp rank 0's noise counts: the mask is broadcast
-    if ddp_group is not None:
-        wrapped = torch.nn.parallel.DistributedDataParallel(ContextParallelMAE(model, group),
+    torch.manual_seed(123 + 1000 * me)
+    gen = torch.Generator().manual_seed(7 + 1000 * me) if generator else None
+    if ddp_group is not None:  # the training loop's own step on DDP(ContextParallelMAE), fed slabs
+        wrapped = torch.nn.parallel.DistributedDataParallel(ContextParallelMAE(model, group, crop),
                                                             process_group=ddp_group)
-        out = wrapped(slab, crop)
-        out.loss.backward()  # DDP averages over the world; the wrapper scaled the term by cp
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        grads = {}
+        opt.register_step_pre_hook(lambda *_: grads.update({n: p.grad.clone() for n, p in model.named_parameters()}))
+        losses = TrainStep(wrapped, opt, generator=gen)([slab], 1)  # DDP averages over both ranks
+        for name, p in model.named_parameters():
+            p.grad = grads[name]
+        out = CPLoss(None, losses[0], K, 1 - K / L)  # (kept and ratio are checked in the other cases)
     else:
-        out = cp_forward_loss(apply_context_parallel(model, group), slab, crop, group)
+        out = cp_forward_loss(apply_context_parallel(model, group), slab, crop, group, generator=gen)
         out.loss.backward()
         all_reduce_grads(model, group)
     return {"loss": rel(out.value, ref_loss), "kept": out.kept, "mask_ratio": out.mask_ratio,
@@ -173,9 +183,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         if rank < 2:
             res["cp2"] = {f"attn_{L}": _attention_case(L, pair) for L in (36, 37)}
             res["cp2"]["mae_32"] = _mae_case((32, 32, 32), pair)  # slabs = decoder shards (4 rows over 2)
-            res["cp2"]["mae_24"] = _mae_case((24, 32, 32), pair)  # 3 rows over 2: rows move between ranks
+            res["cp2"]["mae_24"] = _mae_case((24, 32, 32), pair, generator=True)  # 3 rows over 2: rows move
             res["cp2"]["mae_24_ckpt"] = _mae_case((24, 32, 32), pair, checkpointing=True)
-            res["cp2"]["mae_32_ddp"] = _mae_case((32, 32, 32), pair, ddp_group=ddp_group)
+            res["cp2"]["mae_32_ddp"] = _mae_case((32, 32, 32), pair, ddp_group=ddp_group, generator=True)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
             json.dump(res, fh)
     finally:
