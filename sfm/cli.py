@@ -94,6 +94,17 @@ def _cmd_registry(args: argparse.Namespace) -> None:
                           "parameters": sum(p.numel() for p in model.parameters()), "saved_to": args.out or None}))
 
 
+def _cmd_watch(args: argparse.Namespace) -> None:
+    """Start a flow run (or publish an Argo Event) for each batch of new surveys in the landing prefix."""
+    from sfm.watch import FLOW_FILE, WatchOptions, watch
+
+    opts = WatchOptions(landing=args.landing, data_root=args.data_root, flow=args.flow or str(FLOW_FILE),
+                        config=args.config, overrides=args.set, held_out=args.held_out,
+                        publish_event=args.publish_event, event_url=args.event_url, lease_s=args.lease,
+                        wait_s=args.wait)
+    watch(opts, interval_s=args.interval, once=args.once)
+
+
 def _cmd_iam_policy(args: argparse.Namespace) -> None:
     """Print the least-privilege IAM policy (JSON) for the pipeline's S3 access to one data root."""
     from sfm import iam
@@ -222,6 +233,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", default="champion", help="N, vN, latest or champion")
     p.add_argument("--out", default="", help="with load: export the model to this folder")
     p.set_defaults(func=_cmd_registry)
+    p = sub.add_parser("watch", help="retrain when new SEG-Y lands: one flow run per batch of new surveys")
+    p.add_argument("--landing", required=True, help="prefix where SEG-Y files arrive (local path or s3://)")
+    p.add_argument("--data-root", required=True, help="the data root (manifest, registry, watcher state)")
+    p.add_argument("--once", action="store_true", help="one pass, then exit (default: a pass every --interval)")
+    p.add_argument("--interval", type=float, default=300.0, help="seconds between passes")
+    p.add_argument("--config", default="", help="TOML job config for the runs (default: the champion's)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="config override, repeatable, e.g. --set train.max_steps=500")
+    p.add_argument("--held-out", default="", help="comma-separated SEG-Y URLs to evaluate on "
+                   "(default: the champion's held-out surveys)")
+    p.add_argument("--flow", default="", help="the pretrain flow file (default: flows/pretrain_flow.py beside sfm/)")
+    p.add_argument("--publish-event", action="store_true",
+                   help="publish the config's [retrain] event to Argo Events instead of running locally")
+    p.add_argument("--event-url", default="", help="Argo Events webhook (default: METAFLOW_ARGO_EVENTS_WEBHOOK_URL)")
+    p.add_argument("--lease", type=float, default=600.0, help="seconds a watcher's lease lasts without renewal")
+    p.add_argument("--wait", type=float, default=3600.0, help="seconds a pass waits for another watcher's lease")
+    p.set_defaults(func=_cmd_watch)
+
     p = sub.add_parser("iam-policy", help="print the least-privilege IAM policy for a data root on S3")
     p.add_argument("--data-root", required=True, help="s3://bucket/prefix the pipeline writes to")
     p.add_argument("--landing", action="append", help="s3:// prefix new SEG-Y arrives in (repeatable; "

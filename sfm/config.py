@@ -91,8 +91,8 @@ class EvalConfig:
     crops: int = 16
     batch_size: int = 8
     seed: int = 1234
-    probe_train_volumes: int = 4  # labelled synthetic volumes the fault probe's head trains on (0: no probe)
-    probe_test_volumes: int = 2  # volumes it is scored on
+    probe_train_volumes: int = 8  # labelled synthetic volumes the fault probe's head trains on (0: no probe)
+    probe_test_volumes: int = 4  # volumes it is scored on
 
 
 @dataclass

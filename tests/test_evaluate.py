@@ -176,7 +176,7 @@ def test_probe_head_separates_separable_features():
     y = torch.rand(600) < 0.2
     x = torch.randn(600, 8)
     x[:, 3] += 6 * y.float()  # one informative feature, 6 sigma apart
-    scorer = train_head(x[:400], y[:400], steps=200)
+    scorer = train_head(x[:400], y[:400])
     threshold = best_threshold(scorer(x[:400]), y[:400])
     f1, _ = _f1_iou(scorer(x[400:]) >= threshold, y[400:])
     assert f1 > 0.95
