@@ -11,11 +11,13 @@ Each step calls one function of ``sfm.pipeline`` and keeps only small artifacts 
 import contextlib
 import tomllib
 
-from metaflow import Config, FlowSpec, Parameter, config_expr, current, environment, parallel, resources, step
+from metaflow import (Config, FlowSpec, Parameter, card, config_expr, current, environment, parallel, resources,
+                      schedule, step, trigger)
 from metaflow.exception import MetaflowException
 
 from sfm.cluster import job_of, kubernetes_placement, node_environment, pod_resources  # noqa: F401  (config expressions)
 from sfm.config import DEFAULT_TOML
+from sfm.watch import schedule_cron, trigger_event  # noqa: F401  (used by the config expressions below)
 
 
 class SFMInputError(MetaflowException):
@@ -33,6 +35,8 @@ def user_errors():
         raise SFMInputError(str(err)) from None
 
 
+@schedule(cron=config_expr("schedule_cron(config)"), daily=config_expr("schedule_cron(config) is not None"))
+@trigger(event=config_expr("trigger_event(config)"))
 class PretrainFlow(FlowSpec):
     config = Config("config", default=str(DEFAULT_TOML), parser=tomllib.loads,
                     help="TOML job config (see sfm/default.toml); the parameters below override it")
@@ -47,15 +51,19 @@ class PretrainFlow(FlowSpec):
                       help="nodes for the @parallel pretrain step; default: the config's [dist] nodes")
     procs_per_node = Parameter("procs-per-node", default=config_expr("job_of(config).dist.procs_per_node"), type=int,
                                help="training processes per node; default: the config's [dist] procs_per_node")
+    init_from = Parameter("init-from", default="", help="continue pretraining from these weights: an exported "
+                          "model folder URL, or champion|latest|vN of the registry in --data-root; empty: config's")
 
     @step
     def start(self):
         from sfm import pipeline, storage
+        from sfm.config import JobConfig
 
         with user_errors():
             self.job = pipeline.job_config(dict(self.config), preset=self.preset, max_steps=self.max_steps,
                                            nodes=self.nodes, procs_per_node=self.procs_per_node).to_dict()
             self.root = storage.normalize(self.data_root)
+            self.job = pipeline.resolve_init_from(JobConfig.from_dict(self.job), self.init_from, self.root).to_dict()
             self.plan = pipeline.plan_surveys(self.surveys, self.held_out, self.root)
         self.run_key = current.run_id  # a resumed run clones this step, so it keeps the original key
         self.next(self.ingest, foreach="plan")
@@ -107,16 +115,23 @@ class PretrainFlow(FlowSpec):
             )
         self.next(self.evaluate)
 
+    @card(type="blank", id="evaluation")
     @step
     def evaluate(self, inputs):
+        """Held-out metrics against the baselines, the fault probe, and the card (loss curve, slices, tables)."""
         from sfm import pipeline
+        from sfm.card import evaluation_components
         from sfm.config import JobConfig
 
         self.merge_artifacts(inputs, exclude=["train_summary"])
         self.train_summary = next(i.train_summary for i in inputs if i.train_summary is not None)
         self.model_url = self.train_summary["model_url"]
+        cfg = JobConfig.from_dict(self.job)
         with user_errors():
-            self.metrics = pipeline.evaluate(self.model_url, self.held_out_stores, JobConfig.from_dict(self.job))
+            self.metrics = pipeline.evaluate(self.model_url, self.held_out_stores, cfg)
+            for component in evaluation_components(self.model_url, self.held_out_stores, cfg, self.train_summary,
+                                                   self.metrics):
+                current.card["evaluation"].append(component)
         self.next(self.register)
 
     @step

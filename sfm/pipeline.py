@@ -116,12 +116,50 @@ def pretrain_node(cfg: JobConfig, *, train_stores: list[str], root: str, nodes: 
     return json.loads(storage.read_bytes(storage.join(root, "summary.json")))
 
 
+def resolve_init_from(cfg: JobConfig, init_from: str, data_root: str) -> JobConfig:
+    """Set ``train.init_from`` for continued pretraining and check the weights fit the job's model.
+
+    ``init_from``: "" keeps the config's; ``champion`` (or ``latest``, ``vN``) names a version of
+    ``registry.model_name`` in ``data_root``; anything else is an exported model folder URL.
+    """
+    from sfm.model.mae import MAEConfig
+    from sfm.train import model_config_for
+
+    value = str(init_from or "").strip()
+    if value in ("champion", "latest") or (value[:1] == "v" and value[1:].isdigit()):
+        name = cfg.registry.model_name
+        value = registry.version_url(data_root, name, registry.resolve(data_root, name, value))
+    if value:
+        cfg.set("train.init_from", value)
+    url = cfg.train.init_from
+    if url:
+        config_url = storage.join(url, "config.json")
+        if not storage.exists(config_url):
+            raise SFMError(f"--init-from {url} holds no exported model (no config.json); name a registry version "
+                           "folder or an exported model")
+        theirs = MAEConfig.from_dict(json.loads(storage.read_bytes(config_url))["model"]).to_dict()
+        ours = model_config_for(cfg).to_dict()
+        differ = sorted(k for k in ours if k not in ("crop", "mask_ratio") and ours[k] != theirs.get(k))
+        if differ:
+            raise SFMError(f"the model at {url} differs from the job's model in {', '.join(differ)}; run with the "
+                           "config it was trained with (`sfm registry show` prints it)")
+    return cfg
+
+
 def evaluate(model_url: str, held_out_stores: list[str], cfg: JobConfig) -> dict[str, Any]:
+    """Held-out reconstruction metrics and baselines, plus the fault probe (pretrained vs random encoder)."""
     from sfm.evaluate import evaluate_model, summarize
     from sfm.model.io import load
 
-    metrics = evaluate_model(load(model_url), held_out_stores, cfg)
+    model = load(model_url)
+    metrics = evaluate_model(model, held_out_stores, cfg)
     print(f"sfm evaluate: {summarize(metrics)}")
+    if cfg.eval.probe_train_volumes > 0 and cfg.eval.probe_test_volumes > 0:
+        from sfm import probe
+
+        metrics.update(probe.fault_probe(model, train_volumes=cfg.eval.probe_train_volumes,
+                                         test_volumes=cfg.eval.probe_test_volumes))
+        print(f"sfm evaluate: {probe.summarize(metrics)}")
     return metrics
 
 
@@ -139,9 +177,11 @@ def code_version() -> str:
 
 def register(data_root: str, cfg: JobConfig, *, model_url: str, metrics: dict, run_pathspec: str,
              surveys: list[str], held_out: list[str]) -> dict[str, Any]:
+    """Register the trained model with its lineage (run, manifest version, code, surveys, parent weights)."""
     lineage = {
         "run_pathspec": run_pathspec, "manifest_version": manifest.version(data_root),
         "code_version": code_version(), "surveys": surveys, "held_out_surveys": held_out,
+        "init_from": cfg.train.init_from,
     }
     record = registry.register(data_root, cfg.registry.model_name, model_url, config=cfg.to_dict(),
                                metrics=metrics, lineage=lineage, margin=cfg.registry.margin)
