@@ -31,6 +31,13 @@ class DataConfig:
     batch_size: int = 8  # per rank
     min_live_fraction: float = 0.5
     seed: int = 0
+    align: str = "voxel"  # crop origins anywhere, or "brick": on the store's brick grid (no read amplification)
+    augment: str = ""  # comma list of flip_inline, flip_crossline, swap (swap only when crop IL == XL)
+    workers: int = 0  # DataLoader worker processes per rank; 0 reads on threads of the training process
+    read_threads: int = 8  # crop tiles read at once per process (each fetches its bricks concurrently)
+    prefetch: int = 2  # batches each worker reads ahead
+    client: str = "auto"  # S3 client: auto (obstore if installed, else s3fs), obstore, fsspec
+    retry_seconds: float = 120.0  # how long transient S3 failures are retried before a read fails
 
 
 @dataclass

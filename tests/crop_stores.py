@@ -1,0 +1,56 @@
+"""Survey stores for the loader tests: a synthetic SEG-Y with traces removed, ingested by sfm.ingest.
+
+The holes are real: the traces are missing from the SEG-Y file itself, so ``trace_mask`` and the
+statistics are what ingest derives from such a file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from sfm import ingest, synth
+
+TRACE_HEADER = 240
+FILE_HEADER = 3600
+
+
+def dead_traces(shape: tuple[int, int], seed: int = 0) -> np.ndarray:
+    """[IL, XL] bool: True where a trace is missing. An interior block (a third of the inlines, a
+    quarter of the crosslines, so windows have live fractions from under a half to 1) plus 1 %
+    scattered traces; the outer ring stays live so the grid keeps its extent."""
+    il, xl = shape
+    dead = np.zeros(shape, dtype=bool)
+    dead[il // 3 : il // 3 + il // 3, xl // 4 : xl // 4 + xl // 4] = True
+    dead |= np.random.default_rng(seed).random(shape) < 0.01
+    dead[[0, -1], :] = False
+    dead[:, [0, -1]] = False
+    return dead
+
+
+def segy_with_holes(path: Path, shape: tuple[int, int, int], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Write a synthetic survey to ``path`` with :func:`dead_traces` removed from the file.
+
+    Returns (amplitude [IL, XL, NS] float32 as written, live [IL, XL] bool).
+    """
+    amplitude, _ = synth.synthesize_volume(shape, seed)
+    full = path.with_suffix(".full.sgy")
+    synth.write_segy(full, amplitude)  # format 5, inline-sorted: trace n is (n // XL, n % XL)
+    data = full.read_bytes()
+    full.unlink()
+    trace_bytes = TRACE_HEADER + 4 * shape[2]
+    assert len(data) == FILE_HEADER + shape[0] * shape[1] * trace_bytes
+    live = ~dead_traces(shape[:2], seed)
+    traces = np.frombuffer(data, dtype=np.uint8, offset=FILE_HEADER).reshape(-1, trace_bytes)
+    path.write_bytes(data[:FILE_HEADER] + traces[live.ravel()].tobytes())
+    return amplitude, live
+
+
+def survey_with_holes(tmp: Path, data_root: str, shape=(48, 40, 64), seed: int = 0, chunk: int = 16,
+                      **ingest_options) -> tuple[str, np.ndarray, np.ndarray]:
+    """Ingest :func:`segy_with_holes` into ``data_root``; returns (store URL, amplitude, live mask)."""
+    sgy = Path(tmp) / f"holes-{seed}-{'x'.join(map(str, shape))}.sgy"
+    amplitude, live = segy_with_holes(sgy, shape, seed)
+    row = ingest.ingest_survey(str(sgy), data_root, chunk=chunk, **ingest_options)
+    return row["store_url"], amplitude, live

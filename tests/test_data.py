@@ -1,0 +1,250 @@
+"""The crop loader on local survey stores: determinism, disjoint ranks and workers, exact resume,
+normalisation, the live-trace threshold, augmentations, brick alignment and tiled reads.
+
+The stores are real ingests of synthetic SEG-Y files with traces missing from the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import itertools
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from crop_stores import survey_with_holes
+from sfm import data, ingest
+from sfm.config import JobConfig
+from sfm.errors import SFMError
+
+CROP = (16, 16, 16)
+
+
+@pytest.fixture(scope="module")
+def surveys(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("crops")
+    root = str(tmp / "root")
+    a_url, a_amp, a_live = survey_with_holes(tmp, root, shape=(48, 40, 64), seed=0)
+    b_url, b_amp, b_live = survey_with_holes(tmp, root, shape=(40, 40, 48), seed=1)
+    return SimpleNamespace(tmp=tmp, urls=[a_url, b_url], amp=[a_amp, b_amp], live=[a_live, b_live])
+
+
+def stream(urls, *, batch=4, rank=0, world=1, workers=0, start=0, num_batches=None, **sampler_kw):
+    sampler = data.CropSampler(urls, sampler_kw.pop("crop", CROP), **sampler_kw)
+    dataset = data.CropDataset(sampler, batch, rank, world, start_batch=start, num_batches=num_batches)
+    return data.BatchStream(dataset, workers=workers)
+
+
+def take(s: data.BatchStream, n: int) -> list[torch.Tensor]:
+    try:
+        return [next(s) for _ in range(n)]
+    finally:
+        s.close()
+
+
+def digest(crop: torch.Tensor) -> str:
+    return hashlib.sha1(crop.numpy().tobytes()).hexdigest()
+
+
+def expected_crop(surveys, sampler: data.CropSampler, index: int) -> np.ndarray:
+    """Sample ``index`` computed from the generator's own amplitude, the stored statistics and the
+    crop's location, independently of the loader's read path."""
+    c = sampler.locate(index)
+    url = surveys.urls[surveys.urls.index(sampler.surveys[c.survey].store_url)]
+    stats = dict(zarr.open_group(url, mode="r").attrs)["stats"]
+    lo, hi = stats["percentiles"]["0.1"], stats["percentiles"]["99.9"]
+    k = surveys.urls.index(url)
+    region = tuple(slice(o, o + e) for o, e in zip(c.origin, c.extent))
+    x = (np.clip(surveys.amp[k][region].astype(np.float64), lo, hi) - stats["mean"]) / stats["std"]
+    x *= surveys.live[k][region[:2]][:, :, None]
+    if c.flip_inline:
+        x = x[::-1]
+    if c.flip_crossline:
+        x = x[:, ::-1]
+    if c.swap:
+        x = x.transpose(1, 0, 2)
+    return x
+
+
+def test_same_seed_gives_the_same_stream_and_seed_or_epoch_change_it(surveys):
+    first = take(stream(surveys.urls, seed=3, augment=data.AUGMENTATIONS), 4)
+    again = take(stream(surveys.urls, seed=3, augment=data.AUGMENTATIONS), 4)
+    assert all(b.shape == (4, 1, *CROP) and b.dtype == torch.float32 for b in first)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    other_seed = take(stream(surveys.urls, seed=4, augment=data.AUGMENTATIONS), 1)[0]
+    other_epoch = take(stream(surveys.urls, seed=3, epoch=1, augment=data.AUGMENTATIONS), 1)[0]
+    assert not torch.equal(first[0], other_seed) and not torch.equal(first[0], other_epoch)
+
+
+def test_two_ranks_with_two_workers_each_draw_disjoint_streams(surveys):
+    """2 ranks x 2 DataLoader worker processes: no sample twice, and each rank's sequence is the one
+    it would see with no workers (worker w makes every other batch, starting at w)."""
+    n, batch, seen, crops = 6, 4, {}, {}
+    for rank in (0, 1):
+        with_workers = take(stream(surveys.urls, batch=batch, rank=rank, world=2, workers=2, seed=5), n)
+        in_process = take(stream(surveys.urls, batch=batch, rank=rank, world=2, workers=0, seed=5), n)
+        assert all(torch.equal(a, b) for a, b in zip(with_workers, in_process))
+        dataset = data.CropDataset(data.CropSampler(surveys.urls, CROP, seed=5), batch, rank, 2)
+        for worker in (0, 1):
+            batches = list(itertools.islice(dataset.worker_batches(worker, 2), n // 2))
+            assert batches == list(range(worker, n, 2))
+            for b in batches:
+                for j, index in enumerate(dataset.sample_indices(b)):
+                    assert index not in seen, f"sample {index} drawn by {seen[index]} and {(rank, worker)}"
+                    seen[index] = (rank, worker)
+                    crops[digest(with_workers[b][j])] = (rank, worker, b, j)
+    assert len(seen) == len(crops) == 2 * n * batch  # distinct indices and distinct crops
+
+
+def test_resume_from_saved_state_continues_with_the_same_batches(surveys):
+    full = take(stream(surveys.urls, seed=7, augment=("flip_inline",)), 8)
+    first = stream(surveys.urls, seed=7, augment=("flip_inline",), workers=2)
+    head = take(first, 3)
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint stores it
+    assert state["batch"] == 3 and state["epoch"] == 0
+    resumed = stream(surveys.urls, seed=7, augment=("flip_inline",), workers=2)
+    resumed.load_state_dict(state)
+    tail = take(resumed, 5)
+    assert all(torch.equal(a, b) for a, b in zip(head + tail, full))
+
+    with pytest.raises(SFMError, match="seed"):
+        stream(surveys.urls, seed=8).load_state_dict(state)
+
+
+def test_epochs_end_and_resume_inside_a_later_epoch(surveys):
+    s = stream(surveys.urls, seed=2, num_batches=3)
+    epoch0 = list(s)
+    assert len(epoch0) == 3
+    s.set_epoch(1)
+    epoch1 = list(s)
+    assert len(epoch1) == 3 and not any(torch.equal(a, b) for a, b in zip(epoch0, epoch1))
+    resumed = stream(surveys.urls, seed=2, num_batches=3)
+    resumed.load_state_dict({"epoch": 1, "batch": 1})
+    assert all(torch.equal(a, b) for a, b in zip(list(resumed), epoch1[1:]))
+    s.close()
+    resumed.close()
+
+
+def test_crops_are_normalised_with_the_stored_statistics(surveys):
+    sampler = data.CropSampler(surveys.urls, CROP, seed=11, min_live_fraction=0.3, augment=data.AUGMENTATIONS)
+    crops = sampler.read_many(list(range(48)))
+    located = [sampler.locate(i) for i in range(48)]
+    for i in range(48):
+        np.testing.assert_allclose(crops[i, 0], expected_crop(surveys, sampler, i), rtol=1e-5, atol=1e-5)
+    # the test covered what it claims: both surveys, every augmentation, crops with dead traces
+    assert {c.survey for c in located} == {0, 1}
+    assert all(any(getattr(c, a) for c in located) for a in ("flip_inline", "flip_crossline", "swap"))
+    dead = (crops == 0).all(axis=-1).sum(axis=(1, 2, 3))
+    assert dead.max() > 0
+    for url, amp, live in zip(surveys.urls, surveys.amp, surveys.live):  # and the statistics are the survey's
+        stats = dict(zarr.open_group(url, mode="r").attrs)["stats"]
+        assert stats["mean"] == pytest.approx(amp[live].mean(), abs=1e-4)
+        assert stats["std"] == pytest.approx(amp[live].std(), rel=1e-4)
+    sampler.close()
+
+
+@pytest.mark.skipif("dtype" not in inspect.signature(ingest.ingest_survey).parameters,
+                    reason="this ingest has no float16 option")
+def test_float16_store_decodes_to_the_same_crops(surveys, tmp_path):
+    url16, _, _ = survey_with_holes(tmp_path, str(tmp_path / "root16"), shape=(48, 40, 64), seed=0, dtype="float16")
+    f32 = data.CropSampler(surveys.urls[:1], CROP, seed=13, augment=data.AUGMENTATIONS)
+    f16 = data.CropSampler([url16], CROP, seed=13, augment=data.AUGMENTATIONS)
+    assert zarr.open_group(url16, mode="r")["amplitude"].dtype == np.float16
+    np.testing.assert_allclose(f16.read_many(list(range(8))), f32.read_many(list(range(8))), atol=5e-3)
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.9, 1.0])
+def test_crops_under_the_live_threshold_never_appear(surveys, threshold):
+    sampler = data.CropSampler(surveys.urls, CROP, seed=17, min_live_fraction=threshold)
+    for i in range(400):
+        c = sampler.locate(i)
+        live = surveys.live[c.survey][c.origin[0] : c.origin[0] + CROP[0], c.origin[1] : c.origin[1] + CROP[1]]
+        assert live.mean() >= threshold, (i, c, live.mean())
+    crops = sampler.read_many(list(range(24)))[:, 0]
+    live_traces = (crops != 0).any(axis=-1).mean(axis=(1, 2))
+    assert (live_traces >= threshold).all()
+    sampler.close()
+    # the threshold does bite: without it, crops with fewer live traces are drawn
+    unfiltered = data.CropSampler(surveys.urls, CROP, seed=17, min_live_fraction=0.0)
+    fractions = [surveys.live[c.survey][c.origin[0] : c.origin[0] + 16, c.origin[1] : c.origin[1] + 16].mean()
+                 for c in map(unfiltered.locate, range(400))]
+    assert min(fractions) < 0.5
+
+
+def test_swap_only_when_the_crop_allows_it(surveys):
+    square = data.CropSampler(surveys.urls, (16, 16, 8), seed=1, augment=("swap",), min_live_fraction=0)
+    oblong = data.CropSampler(surveys.urls, (16, 24, 8), seed=1, augment=("swap",), min_live_fraction=0)
+    assert any(square.locate(i).swap for i in range(50))
+    assert not any(oblong.locate(i).swap for i in range(50))
+    assert oblong.read(0).shape == (1, 16, 24, 8)
+
+
+def test_brick_alignment_reads_whole_bricks_and_nothing_else(surveys):
+    crop = (32, 32, 32)
+    aligned = data.CropSampler(surveys.urls[:1], crop, seed=19, align="brick", min_live_fraction=0.3)
+    anywhere = data.CropSampler(surveys.urls[:1], crop, seed=19, align="voxel", min_live_fraction=0.3)
+    assert all(o % 16 == 0 for c in map(aligned.locate, range(40)) for o in c.origin)
+    stats = {}
+    for name, sampler in (("brick", aligned), ("voxel", anywhere)):
+        before = sampler.fetch_stats()["bytes_fetched"]
+        sampler.read_many(list(range(16)))
+        stats[name] = (sampler.fetch_stats()["bytes_fetched"] - before) / (16 * 4 * 32**3)  # fetched / delivered
+        sampler.close()
+    # an aligned crop fetches its 8 compressed bricks (blosc makes them a little smaller than the crop);
+    # an unaligned one fetches up to 27
+    assert stats["brick"] <= 1.0 < 1.5 < stats["voxel"], stats
+
+
+def test_large_crops_are_read_as_brick_tiles(surveys, monkeypatch):
+    region = ((5, 3, 0), (40, 37, 64))
+    tiles = data.brick_tiles(*region, bricks=(16, 16, 16), max_voxels=16**3)
+    covered = np.zeros(region[1], dtype=int)
+    for (a0, a1), (b0, b1), (c0, c1) in tiles:
+        covered[a0:a1, b0:b1, c0:c1] += 1
+        for axis, (lo, hi) in enumerate(((a0, a1), (b0, b1), (c0, c1))):
+            assert lo == 0 or (region[0][axis] + lo) % 16 == 0  # cuts only on brick boundaries
+    assert (covered == 1).all() and len(tiles) > 8
+
+    whole = data.CropSampler(surveys.urls, (32, 32, 48), seed=23, augment=data.AUGMENTATIONS).read_many([0, 1, 2])
+    monkeypatch.setattr(data, "_TILE_VOXELS", 16**3)
+    tiled = data.CropSampler(surveys.urls, (32, 32, 48), seed=23, augment=data.AUGMENTATIONS)
+    assert len(data.brick_tiles(tiled.locate(0).origin, tiled.locate(0).extent, (16, 16, 16))) >= 4
+    np.testing.assert_array_equal(tiled.read_many([0, 1, 2]), whole)
+
+
+def test_training_stream_follows_the_job_config(surveys):
+    cfg = JobConfig.from_toml(overrides=["data.crop=[16, 16, 16]", "data.batch_size=3", "data.align=brick",
+                                         "data.augment=flip_inline,swap", "data.seed=9"])
+    s = data.training_stream(surveys.urls, cfg.data, rank=1, world_size=2, start_batch=5)
+    try:
+        batch = next(s)
+        assert batch.shape == (3, 1, 16, 16, 16)
+        assert s.sampler.align == "brick" and s.sampler.augment == ("flip_inline", "swap")
+        assert list(s.dataset.sample_indices(5)) == [33, 34, 35]
+        assert s.state_dict()["batch"] == 6
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"align": "sideways"}, "data.align"),
+    ({"augment": ("rotate",)}, "data.augment"),
+    ({"crop": (64, 64, 64)}, "smaller than the crop"),
+    ({"crop": (16, 16, 16), "min_live_fraction": 1.5}, "min_live_fraction"),
+    ({"crop": (40, 40, 16), "min_live_fraction": 1.0}, "live traces"),
+])
+def test_bad_data_settings_are_one_line_errors(surveys, kwargs, match):
+    with pytest.raises(SFMError, match=match) as err:
+        s = data.CropSampler(surveys.urls[:1], kwargs.pop("crop", CROP), **kwargs)
+        s.read(0)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_store_is_an_error_naming_it(tmp_path):
+    with pytest.raises(SFMError, match="nowhere.zarr"):
+        data.CropSampler([str(tmp_path / "nowhere.zarr")], CROP)
