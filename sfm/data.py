@@ -240,7 +240,7 @@ def open_survey_store(store_url: str, client: str = "auto", retry_seconds: float
     if client == "fsspec" or (client == "auto" and not _obstore_available()):
         return ResilientStore(_fsspec_zarr_store(url), url, retry_seconds)
     if client == "obstore" and not _obstore_available():
-        raise SFMError("data.client = 'obstore' but obstore is not installed; pip install 'sfm[fast]' or use 'auto'")
+        raise SFMError("data.client = 'obstore' but obstore is not installed; pip install obstore or use 'auto'")
     fallback = (lambda: _fsspec_zarr_store(url)) if client == "auto" else None
     return ResilientStore(_obstore_zarr_store(url), url, retry_seconds, fallback)
 
