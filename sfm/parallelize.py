@@ -119,7 +119,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
 
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load full weights (e.g. ``train.init_from``) into a wrapped model, every rank passing the same."""
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+    # a copy: torch replaces the dict's tensors by DTensor shards in place
+    set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))
 
 
 def _writer_reader(url: str, write: bool):

@@ -1,7 +1,8 @@
 """sfm.parallelize on 2 real processes (gloo, CPU): for ddp, fsdp2-zero2 and fsdp2-full, the loss
 curve equals one process training on the same global batch with the same seed, all ranks end with
-identical full weights, and a sharded checkpoint saved mid-run loads into a freshly built model and
-optimiser and continues exactly as the run that saved it.
+identical full weights, and a sharded checkpoint saved mid-run (to local disk, and for fsdp2-full to
+S3 on a loopback moto_server) loads into a freshly built model and optimiser and continues exactly as
+the run that saved it; full weights load into a sharded model.
 
 Masking is random, so each sample is one micro-batch whose masking noise is seeded by (step, global
 sample index): any split of the global batch over ranks then sees the same masks. That also runs
@@ -66,7 +67,7 @@ def flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([state[k].flatten().float() for k in sorted(state)])
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
+def worker(rank: int, port: int, out_dir: str, s3_root: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=dt.timedelta(seconds=120))
@@ -76,7 +77,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
             model = parallelize.apply_strategy(make_model(), strategy)
             optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.05)
             losses = [train_step(model, optimizer, s, rank, WORLD) for s in range(STEPS)]
-            ckpt = os.path.join(out_dir, f"ckpt-{strategy}")
+            ckpt = f"{s3_root}/ckpt-{strategy}" if strategy == "fsdp2-full" else os.path.join(out_dir, f"ckpt-{strategy}")
             parallelize.save_sharded(ckpt, model, optimizer, extra={"step": STEPS, "losses": losses})
             next_loss = train_step(model, optimizer, STEPS, rank, WORLD)
             weights = flat(parallelize.full_state_dict(model, rank0_only=False))
@@ -89,10 +90,14 @@ def worker(rank: int, port: int, out_dir: str) -> None:
             extra = parallelize.load_sharded(ckpt, fresh, fresh_opt)
             resumed_loss = train_step(fresh, fresh_opt, STEPS, rank, WORLD)
             resumed = flat(parallelize.full_state_dict(fresh, rank0_only=False))
+            initial = make_model().state_dict()
+            parallelize.load_full_state_dict(fresh, initial)
+            reloaded = parallelize.full_state_dict(fresh, rank0_only=False)
             results[strategy] = {
                 "losses": losses, "next_loss": next_loss, "resumed_loss": resumed_loss, "extra": extra,
                 "ranks_identical": all(torch.equal(g, gathered[0]) for g in gathered),
                 "resumed_max_diff": (resumed - weights).abs().max().item(),
+                "full_load_exact": all(torch.equal(reloaded[k], v) for k, v in initial.items()),
                 "sharded": [type(p).__name__ for p in parallelize.unwrap(model).parameters()][:1],
                 "weights": weights.tolist() if rank == 0 else None,
             }
@@ -110,8 +115,9 @@ def reference_run() -> tuple[list[float], torch.Tensor]:
 
 
 @pytest.mark.timeout(400)
-def test_strategies_on_two_processes_match_one_process(tmp_path):
-    mp.spawn(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+def test_strategies_on_two_processes_match_one_process(tmp_path, s3_env):
+    s3_root = s3_env.make_bucket("sfm-parallelize") + "/run"
+    mp.spawn(worker, args=(free_port(), str(tmp_path), s3_root), nprocs=WORLD, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     ref_losses, ref_weights = reference_run()
     assert ref_losses[-1] < ref_losses[0]  # it learns, so matching curves mean something
@@ -129,9 +135,12 @@ def test_strategies_on_two_processes_match_one_process(tmp_path):
         assert r0["extra"] == {"step": STEPS, "losses": r0["losses"]}
         assert r0["resumed_loss"] == pytest.approx(r0["next_loss"], rel=1e-6)
         assert r0["resumed_max_diff"] < 1e-6 and r1["resumed_max_diff"] < 1e-6, strategy
+        assert r0["full_load_exact"] and r1["full_load_exact"], strategy
         assert r0["sharded"] == (["DTensor"] if strategy.startswith("fsdp2") else ["Parameter"]), strategy
-    assert (tmp_path / "ckpt-fsdp2-full" / ".metadata").is_file()
-    assert len(list((tmp_path / "ckpt-fsdp2-full").glob("*.distcp"))) == WORLD  # one shard file per rank
+    assert (tmp_path / "ckpt-fsdp2-zero2" / ".metadata").is_file()
+    assert len(list((tmp_path / "ckpt-fsdp2-zero2").glob("*.distcp"))) == WORLD  # one shard file per rank
+    keys = s3_env.keys("sfm-parallelize", "run/ckpt-fsdp2-full/")
+    assert "run/ckpt-fsdp2-full/.metadata" in keys and sum(k.endswith(".distcp") for k in keys) == WORLD
 
 
 def test_unknown_strategy():
