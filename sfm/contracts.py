@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,9 @@ def validate(name: str, document: dict[str, Any], where: str) -> None:
 def read_store_attrs(store, where: str | None = None, *, stats_in_stored_units: bool = False) -> dict[str, Any]:
     """The root attributes of a survey store, validated against ``survey_store.schema.json``.
 
-    ``store`` is a store URL or an open zarr Group. Every reader goes through here, so a store written
-    by another version (or damaged) fails with one line naming it instead of deep inside a read.
+    ``store`` is a store URL, an open zarr Group, or its attributes (a mapping). Every reader goes
+    through here, so a store written by another version (or damaged) fails with one line naming it
+    instead of deep inside a read.
 
     With ``stats_in_stored_units``, ``stats`` (mean, std, min, max, percentiles) is expressed in the
     units of the stored ``amplitude`` array: for float16 stores that is ``(value - offset) / scale``
@@ -50,7 +52,7 @@ def read_store_attrs(store, where: str | None = None, *, stats_in_stored_units: 
             store = zarr.open_group(storage.zarr_store(store, read_only=True), mode="r")
         except FileNotFoundError as err:
             raise SFMError(f"{where} does not exist; ingest the survey first") from err
-    attrs = dict(store.attrs)
+    attrs = dict(store) if isinstance(store, Mapping) else dict(store.attrs)
     validate("survey_store", attrs, where or "survey store")
     transform = attrs.get("amplitude_transform")
     if stats_in_stored_units and transform:

@@ -539,7 +539,7 @@ class TraceReader:
                 if self._dtype is not None:
                     np.copyto(out, samples.view(self._dtype), casting="unsafe")
                 else:
-                    ibm = np.ascontiguousarray(samples).view(np.float32)  # raw bytes, converted in place below
+                    ibm = samples.copy().view(np.float32)  # our own copy of the raw bytes, converted in place below
                     if lay.endian == "little":
                         ibm.byteswap(inplace=True)  # segyio's converter expects the big-endian byte layout
                     out[...] = _ibm_to_float32(ibm)

@@ -1,0 +1,130 @@
+"""Ingest publication (issue 3): idempotent, atomic, safe under SIGKILL and concurrent ingests, on local disk
+and on a moto_server S3; and the `sfm ingest` command line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ingest_cases as cases
+import numpy as np
+import pytest
+from test_ingest import Backend, backend  # noqa: F401  (the local/S3 fixture)
+
+from sfm import manifest
+from sfm.ingest import ingest_survey
+
+PROJECT = Path(__file__).resolve().parents[1]
+
+
+def store_keys(b: Backend, root: str | None = None) -> list[str]:
+    """Every object under ``<root>/surveys/`` (zarr's temporary ``*.partial`` files excluded)."""
+    root = root or b.root
+    if b.kind == "s3":
+        bucket, prefix = root[len("s3://"):].split("/", 1)
+        return [k for k in b.s3.keys(bucket, f"{prefix}/surveys/") if not k.endswith(".partial")]
+    base = Path(root) / "surveys"
+    return [str(p) for p in base.rglob("*") if p.is_file() and ".partial" not in p.name] if base.exists() else []
+
+
+def store_objects(b: Backend, root: str | None = None) -> dict[str, str]:
+    """Every object under ``<root>/surveys/`` -> sha256 of its bytes."""
+    root = root or b.root
+    if b.kind == "s3":
+        client, bucket = b.s3.client(), root[len("s3://"):].split("/", 1)[0]
+        read = lambda key: client.get_object(Bucket=bucket, Key=key)["Body"].read()  # noqa: E731
+    else:
+        read = lambda key: Path(key).read_bytes()  # noqa: E731
+    return {key.split("/surveys/", 1)[1]: hashlib.sha256(read(key)).hexdigest() for key in store_keys(b, root)}
+
+
+def sfm_ingest(*args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "sfm.cli", "ingest", *args], cwd=PROJECT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def test_same_content_twice_is_a_no_op_that_says_so(backend, tmp_path, segy_dir):  # noqa: F811
+    first = ingest_survey(backend.source(segy_dir / "small.sgy"), backend.root)
+    before = store_objects(backend)
+    copy = tmp_path / "renamed-copy.sgy"  # same bytes under another name: the same survey
+    copy.write_bytes((segy_dir / "small.sgy").read_bytes())
+    again = ingest_survey(backend.source(copy), backend.root)
+    assert again["status"] == "exists" and again["survey_id"] == first["survey_id"]
+    assert "nothing to do" in again["message"] and first["survey_id"] in again["message"]
+    assert again["store_url"] == first["store_url"] and again["ingested_at"] == first["ingested_at"]
+    assert store_objects(backend) == before
+    assert backend.published() == [first["survey_id"]]
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_mid_file_leaves_no_row_and_the_rerun_matches(backend, tmp_path):  # noqa: F811
+    amplitude = cases.volume((64, 64, 384), seed=7)
+    source = backend.source(cases.write(tmp_path / "kill.sgy", amplitude))
+    args = [source, "--out", backend.root, "--chunk", "16"]
+    proc = sfm_ingest(*args)
+    deadline = time.monotonic() + 180
+    while not any("/amplitude/c/" in key for key in store_keys(backend)):  # the first shard is written
+        assert proc.poll() is None, f"ingest ended before it could be killed: {proc.communicate()}"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    shards = [k for k in store_keys(backend) if "/amplitude/c/" in k]
+    assert 0 < len(shards) < 16, "the kill must land mid-file"
+    assert backend.published() == []
+
+    rerun = sfm_ingest(*args)
+    out, err = rerun.communicate(timeout=240)
+    assert rerun.returncode == 0, err
+    row = json.loads(out.splitlines()[0])
+    assert row["status"] == "ingested" and backend.published() == [row["survey_id"]]
+    clean_root = f"{backend.root}-clean"  # an uninterrupted ingest of the same source
+    reference = ingest_survey(source, clean_root, chunk=16)
+    assert reference["survey_id"] == row["survey_id"]
+    assert store_objects(backend) == store_objects(backend, clean_root)  # byte for byte: the same survey
+    assert np.array_equal(backend.group(row["store_url"])["amplitude"][...], amplitude)
+
+
+@pytest.mark.timeout(300)
+def test_concurrent_ingests_into_one_root_all_publish(backend, tmp_path):  # noqa: F811
+    paths = [cases.write(tmp_path / f"c{k}.sgy", cases.volume((24, 24, 128), seed=10 + k)) for k in range(2)]
+    sources = [backend.source(p) for p in paths]
+    procs = [sfm_ingest(src, "--out", backend.root, "--chunk", "8") for src in sources + sources[:1]]
+    results = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1] for r in results]
+    rows = [json.loads(out.splitlines()[0]) for out, _ in results]
+    assert sorted(backend.published()) == sorted({r["survey_id"] for r in rows}) and len(backend.published()) == 2
+    assert rows[0]["survey_id"] == rows[2]["survey_id"]  # the same file twice at once: one survey
+    assert {rows[0]["status"], rows[2]["status"]} <= {"ingested", "exists"}
+    for k, row in enumerate(rows[:2]):
+        assert np.array_equal(backend.group(row["store_url"])["amplitude"][...], cases.volume((24, 24, 128), seed=10 + k))
+
+
+def test_cli_prints_a_line_per_survey_and_an_error_per_bad_file(tmp_path, segy_dir):
+    root = tmp_path / "root"
+    proc = sfm_ingest(str(segy_dir / "small.sgy"), str(segy_dir / "broken.sgy"), str(segy_dir / "tiny.sgy"),
+                      "--out", str(root), "--dtype", "float16", "--chunk", "8")
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 2
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [line["name"] for line in lines] == ["small", "tiny"]
+    assert all(line["dtype"] == "float16" and line["stats"]["count"] > 0 for line in lines)
+    assert {"survey_id", "store_url", "shape", "sample_format", "stats", "status"} <= set(lines[0])
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert any("broken.sgy is truncated" in line for line in errors), err
+    assert "Traceback" not in err
+    assert any(line.startswith("sfm ingest: 2 of 3 survey(s)") and "MB/s" in line for line in err.splitlines()), err
+    again = sfm_ingest(str(segy_dir / "small.sgy"), "--out", str(root))
+    out, err = again.communicate(timeout=240)
+    assert again.returncode == 0 and json.loads(out)["status"] == "exists"
+    missing = sfm_ingest(str(tmp_path / "nope.sgy"), "--out", str(root), "--refuse-nonfinite", "--max-sparsity", "4")
+    out, err = missing.communicate(timeout=240)
+    assert missing.returncode == 2 and err.strip().splitlines()[-1].startswith("sfm ingest: error:") and "does not exist" in err
+    assert os.listdir(root / "manifest" / "rows") and len(manifest.read(str(root))) == 2
