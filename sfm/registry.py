@@ -14,7 +14,8 @@ link locally, a conditional ``If-None-Match: *`` PUT on S3) of a unique token, r
 AWS S3 makes the conditional PUT atomic; some S3-compatible servers only check, then write (moto_server
 does: two racing PUTs can both succeed, the later one's bytes stay), and the read-back after a short
 settle time turns that into one winner. A server that ignores the condition altogether is detected
-once per bucket and refused. It holds on a shared disk and on S3 alike, with no lock server:
+(a repeated conditional PUT must fail) and refused. It holds on a shared disk and on S3 alike, with no
+lock server:
 
 - two registrations racing for ``v<N>`` both try to create its ``.claim``; one wins, the other
   moves on to ``v<N+1>``. Each writes only inside its own folder, so nothing is lost.
@@ -75,39 +76,25 @@ def versions(data_root: str, model_name: str) -> list[int]:
 
 
 S3_SETTLE_S = 0.25  # wait before reading a claim back on S3 (see the module docstring)
-_checked_buckets: set[str] = set()
-
-
-def _check_conditional_writes(url: str) -> None:
-    """Refuse S3 endpoints that ignore ``If-None-Match`` (the second conditional PUT must fail)."""
-    bucket = url[len("s3://"):].split("/", 1)[0]
-    if bucket in _checked_buckets:
-        return
-    # two levels up, so the probe never shows in the folder being allocated in (v<N>/, champion/)
-    probe = storage.join(url.rsplit("/", 2)[0], ".conditional-write-check", uuid.uuid4().hex[:12])
-    first = storage.write_bytes_if_absent(probe, b"1")
-    second = storage.write_bytes_if_absent(probe, b"2")
-    storage.remove(probe)
-    if not first or second:
-        raise SFMError(f"the S3 endpoint of {url} does not honour conditional writes (If-None-Match), which the "
-                       "registry and `sfm watch` need to allocate names safely; use AWS S3 or a server that does")
-    _checked_buckets.add(bucket)
 
 
 def claim(url: str, payload: dict[str, Any]) -> bool:
     """Create ``url`` holding ``payload`` plus a unique token if nothing is there yet; True if this call won.
 
-    The token is read back (after :data:`S3_SETTLE_S` on S3), so a server that checks the condition
-    and writes in two steps still yields exactly one winner when two writers race.
+    On S3 the token is read back after :data:`S3_SETTLE_S`, so a server that checks the condition and
+    writes in two steps still yields one winner when two writers race; and a second conditional PUT
+    of the same key must be refused, or the server ignores the condition and is rejected.
     """
     token = uuid.uuid4().hex
     data = json.dumps({**payload, "claim_token": token}, sort_keys=True).encode()
-    if storage.is_s3(url):
-        _check_conditional_writes(url)
     if not storage.write_bytes_if_absent(url, data):
         return False
-    if storage.is_s3(url):
-        time.sleep(S3_SETTLE_S)
+    if not storage.is_s3(url):
+        return True  # a hard link: atomic
+    if storage.write_bytes_if_absent(url, data):  # same bytes: harmless if it went through
+        raise SFMError(f"the S3 endpoint of {url} does not honour conditional writes (If-None-Match), which the "
+                       "registry and `sfm watch` need to allocate names safely; use AWS S3 or a server that does")
+    time.sleep(S3_SETTLE_S)
     return json.loads(storage.read_bytes(url)).get("claim_token") == token
 
 

@@ -148,22 +148,21 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _doc(self) -> bytes:
-        return json.dumps({"owner": self.owner, "expires_at": _now() + self.lease_s, "renewed_at": _iso()}).encode()
+    def _doc(self) -> dict[str, Any]:
+        return {"owner": self.owner, "expires_at": _now() + self.lease_s, "renewed_at": _iso()}
 
     def try_acquire(self) -> bool:
-        if storage.write_bytes_if_absent(self.url, self._doc()):
+        if registry.claim(self.url, self._doc()):
             return True
         held = read_json(self.url)
         if held is None or held.get("expires_at", 0) > _now():
             return False
         # expired: one taker per expired lease (the claim names the lease it replaces), then the usual claim
         token = hashlib.sha256(json.dumps(held, sort_keys=True).encode()).hexdigest()[:16]
-        if storage.write_bytes_if_absent(state_url(self.data_root, "lock-breaks", token),
-                                         self.owner.encode()):
+        if registry.claim(state_url(self.data_root, "lock-breaks", token), {"owner": self.owner}):
             log(f"lease of {held.get('owner')} expired at {_iso(held.get('expires_at'))}; taking over")
             storage.remove(self.url)
-            return storage.write_bytes_if_absent(self.url, self._doc())
+            return registry.claim(self.url, self._doc())
         return False
 
     def acquire(self, wait_s: float, poll_s: float) -> bool:
@@ -188,7 +187,7 @@ class Lease:
             if held is None or held.get("owner") != self.owner:
                 log(f"lost the lease {self.url} (now {held and held.get('owner')}); finishing the current pass")
                 return
-            storage.write_bytes(self.url, self._doc())
+            write_json(self.url, self._doc())
 
     def release(self) -> None:
         self._stop.set()

@@ -1,0 +1,111 @@
+"""The default `python flows/pretrain_flow.py run`: its evaluation card (loss curve, slices, metrics) and the
+fault probe of the encoder it trained against a random one. One flow run serves every test here."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from flowrun import client_view, run_flow
+from PIL import Image
+
+_CARD_SCRIPT = r"""
+import json, sys
+from metaflow import Run, namespace
+from metaflow.cards import get_cards
+namespace(None)
+task = Run(sys.argv[1])["evaluate"].task
+cards = get_cards(task, id="evaluation")
+print("CARD-JSON " + json.dumps({"count": len(cards), "type": cards[0].type, "html": cards[0].get()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """`python flows/pretrain_flow.py run` with no parameters, in an empty folder (outputs in ./sfm_data)."""
+    home = tmp_path_factory.mktemp("default-run")
+    env = {"METAFLOW_USER": "sfm-test", "METAFLOW_HOME": str(home / "mfhome"), "METAFLOW_DEFAULT_DATASTORE": "local",
+           "METAFLOW_DATASTORE_SYSROOT_LOCAL": str(home / "mfroot"), "METAFLOW_DEFAULT_METADATA": "local"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # Runner reads some settings from this process's environment
+    try:
+        result = run_flow(env, cwd=str(home))
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+    assert result.status == "successful", result.stderr[-5000:]
+    return {"env": env, "cwd": str(home), "pathspec": result.pathspec,
+            "view": client_view(result.pathspec, env, cwd=str(home))}
+
+
+def card_html(run: dict) -> tuple[int, str]:
+    proc = subprocess.run([sys.executable, "-c", _CARD_SCRIPT, run["pathspec"]], env={**os.environ, **run["env"]},
+                          cwd=run["cwd"], capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("CARD-JSON ")), None)
+    assert line, proc.stderr
+    card = json.loads(line[len("CARD-JSON "):])
+    assert card["type"] == "blank"
+    return card["count"], card["html"]
+
+
+@pytest.mark.timeout(900)
+def test_default_run_card_shows_loss_curve_slices_and_metrics(default_run):
+    count, html = card_html(default_run)
+    assert count == 1
+    images = re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", html)
+    # the loss curve + inline/crossline/time slices of input, masked input and reconstruction
+    assert len(images) >= 10, len(images)
+    decoded = [Image.open(io.BytesIO(base64.b64decode(data))) for data in images]
+    sizes = sorted({im.size for im in decoded})
+    assert (640, 320) in sizes  # the loss curve
+    crop = default_run["view"]["metrics"]["crop"]
+    assert (crop[1] * 4, crop[2] * 4) in sizes and (crop[1] * 4, crop[0] * 4) in sizes  # time down the slices
+    # the masked input differs from the input (grey patches), the reconstruction too
+    slices = [im for im in decoded if im.size != (640, 320)]
+    assert len({im.tobytes() for im in slices}) == len(slices)
+    for text in ("Training loss", "masked input", "reconstruction", "inline slice", "crossline slice", "time slice",
+                 "trilinear interpolation", "per-survey mean", "target NMSE", "voxel NMSE", "Fault probe"):
+        assert text in html, text
+    nmse = f"{default_run['view']['metrics']['masked_nmse']:.4f}"
+    assert nmse in html  # the table holds this run's numbers
+
+
+@pytest.mark.timeout(900)
+def test_default_run_metrics_against_every_baseline(default_run):
+    m = default_run["view"]["metrics"]
+    assert m["baseline_zero_nmse"] == pytest.approx(1.0, abs=1e-3)  # normalised patches: zero scores 1 exactly
+    assert m["masked_nmse"] < m["baseline_zero_nmse"] < m["baseline_mean_nmse"]
+    assert m["voxel_mean_nmse"] == pytest.approx(1.0, abs=0.05)  # the standardised survey mean is ~0
+    for key in ("masked_psnr", "baseline_interp_nmse", "voxel_model_nmse", "voxel_interp_nmse", "voxel_model_psnr"):
+        assert m[key] == m[key] and m[key] > 0, key  # present, finite, positive
+
+
+@pytest.mark.timeout(900)
+def test_fault_probe_pretrained_against_random_after_the_default_training(default_run):
+    """After the default demo's training the pretrained encoder does NOT beat the random one on the
+    fault probe: it scores about 0.17 F1 lower (measured 0.497 vs 0.665 with the default 8/4 probe
+    volumes; 0.574 vs 0.665 after 650 steps of the same run, so the gap narrows with training).
+
+    Why: the demo trains a tiny model for 200 CPU steps over ~1,600 crops of 32^3 (its held-out masked
+    NMSE is ~0.87 against 1.0 for predicting zero); MAE pretraining is run for hundreds of epochs.
+    A random ViT is close to a random projection of each patch, which keeps nearly all of its voxels'
+    information, while a briefly trained encoder has begun to keep what reconstruction needs and to
+    drop the rest. The numbers are printed on every run; should pretraining start to win here, the
+    last assertion fails and this statement must become `gap > 0`.
+    """
+    m = default_run["view"]["metrics"]
+    gap = m["probe_f1"] - m["probe_random_f1"]
+    print(f"probe F1 pretrained {m['probe_f1']:.3f} random {m['probe_random_f1']:.3f} gap {gap:+.3f}; "
+          f"IoU {m['probe_iou']:.3f} vs {m['probe_random_iou']:.3f}; all-positive F1 {m['probe_all_positive_f1']:.3f}")
+    # the probe measures something: both encoders' features find faults far better than guessing
+    assert m["probe_random_f1"] > m["probe_all_positive_f1"] + 0.15
+    assert m["probe_f1"] > m["probe_all_positive_f1"] + 0.05
+    assert m["probe_patches_test"] == 4 * 16 * 64 and 0.05 < m["probe_fault_prevalence"] < 0.5
+    # the stated shortfall: behind the random encoder, by less than 0.3 F1
+    assert -0.3 < gap < 0.0, gap
