@@ -50,15 +50,20 @@ ENDPOINT_ENV = ("SFM_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"
 
 
 def s3_endpoint_url() -> str | None:
-    """The S3 endpoint from the environment (None: AWS); refused unless https, loopback or opted in."""
+    """The S3 endpoint from the environment (None: AWS); refused unless https, loopback or opted in.
+
+    Every endpoint variable that is set is checked, not only the one used here, so an insecure
+    ``METAFLOW_S3_ENDPOINT_URL`` (Metaflow's own datastore) is refused as soon as sfm touches S3.
+    """
+    chosen = None
     for name in ENDPOINT_ENV:
         value = os.environ.get(name, "").strip()
         if value:
             problem = endpoint_problem(value)
             if problem:
                 raise SFMError(f"{problem} (from ${name})")
-            return value
-    return None
+            chosen = chosen or value
+    return chosen
 
 
 def s3_storage_options() -> dict[str, Any]:

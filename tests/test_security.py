@@ -101,6 +101,18 @@ def test_insecure_opt_in_by_env_and_by_cli_flag(monkeypatch):
     assert is_loopback_host("127.0.0.53") and not is_loopback_host("127.0.0.1.evil.com")
 
 
+def test_every_configured_endpoint_is_checked(monkeypatch):
+    """Metaflow's own endpoint is checked too, even when sfm's points elsewhere."""
+    monkeypatch.delenv("SFM_ALLOW_INSECURE_S3", raising=False)
+    for name in storage.ENDPOINT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SFM_S3_ENDPOINT_URL", "https://s3.example")
+    assert storage.s3_endpoint_url() == "https://s3.example"
+    monkeypatch.setenv("METAFLOW_S3_ENDPOINT_URL", "http://minio.lab:9000")
+    with pytest.raises(SFMError, match=r"plain http .*\$METAFLOW_S3_ENDPOINT_URL"):
+        storage.s3_endpoint_url()
+
+
 # ---- credentials never in messages -----------------------------------------------------------------------
 
 def test_redact_removes_every_kind_of_credential(monkeypatch):
