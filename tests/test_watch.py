@@ -201,3 +201,29 @@ def test_flow_file_is_where_the_watcher_looks():
     from sfm.watch import FLOW_FILE
 
     assert FLOW_FILE == PROJECT / "flows" / "pretrain_flow.py" and FLOW_FILE.exists()
+
+
+def test_a_failed_run_is_blamed_on_the_file_its_error_names():
+    from sfm.watch import LandingFile, attribute_failure
+
+    files = [LandingFile("/l/a.sgy", "a.sgy", 1, "t"), LandingFile("/l/b.sgy", "b.sgy", 1, "t")]
+    stderr = ("2026-11-30 [1/ingest/3] Task is starting.\n"
+              "    sfm input error: /l/b.sgy: traces 17-20 repeat an (inline, crossline) cell; this looks pre-stack\n"
+              "2026-11-30 Task failed.\n")
+    culprit, line = attribute_failure(stderr, files)
+    assert culprit is files[1] and "pre-stack" in line
+    culprit, line = attribute_failure("Error: out of memory\n", files)
+    assert culprit is None and line == "Error: out of memory"
+
+
+def test_a_first_survey_waits_for_a_held_out_one(tmp_path, metaflow_env):
+    """No champion, one new file, no --held-out: nothing to evaluate on, so the watcher waits (no run)."""
+    from sfm.synth import synth_survey
+    from sfm.watch import WatchOptions, watch_once
+
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    synth_survey(str(landing / "first.sgy"), shape=(16, 16, 32), seed=3)
+    result = watch_once(WatchOptions(landing=str(landing), data_root=str(tmp_path / "data")))
+    assert result == {"status": "waiting", "surveys": [str(landing / "first.sgy")]}
+    assert not Path(tmp_path, "data", "watch", "lock.json").exists()  # the lease was released
