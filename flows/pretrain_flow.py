@@ -12,7 +12,7 @@ import contextlib
 import tomllib
 
 from metaflow import (Config, FlowSpec, Parameter, card, config_expr, current, environment, parallel, resources,
-                      schedule, step, trigger)
+                      retry, schedule, step, trigger)
 from metaflow.exception import MetaflowException
 
 from sfm.cluster import job_of, kubernetes_placement, node_environment, pod_resources  # noqa: F401  (config expressions)
@@ -95,6 +95,9 @@ class PretrainFlow(FlowSpec):
         """Fan out to the training nodes (Metaflow needs a step between a join and a @parallel split)."""
         self.next(self.pretrain, num_parallel=self.job["dist"]["nodes"])
 
+    # a failed attempt (killed process, lost node) is retried once at once; training continues from
+    # its last checkpoint, as it does after `resume`
+    @retry(times=1, minutes_between_retries=0)
     @parallel
     @resources(cpu=config_expr("pod_resources(config)['cpu']"), memory=config_expr("pod_resources(config)['memory']"),
                disk=config_expr("pod_resources(config)['disk']"), gpu=config_expr("pod_resources(config)['gpu']"),

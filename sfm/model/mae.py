@@ -388,15 +388,15 @@ class MaskedAutoencoder3D(nn.Module):
         norm_pix_loss each patch normalised by its own mean and variance (as in MAE)."""
         target = self.patchify(imgs).float()
         if self.cfg.norm_pix_loss:
-            mean = target.mean(dim=-1, keepdim=True)
-            var = target.var(dim=-1, keepdim=True)
-            target = (target - mean) / (var + 1.0e-6) ** 0.5
+            var, mean = torch.var_mean(target, dim=-1, keepdim=True)  # one pass; unbiased var, as MAE
+            scale = torch.rsqrt(var + 1.0e-6)
+            target = torch.addcmul(-mean * scale, target, scale)  # (target - mean) * scale, one pass
         return target
 
     def forward_loss(self, imgs: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Mean squared error over the voxels of masked patches only (mask: 0 keep, 1 remove)."""
         target = self.patch_targets(imgs)
-        loss = ((pred.float() - target) ** 2).mean(dim=-1)  # [N, L] per-patch loss
+        loss = F.mse_loss(pred.float(), target, reduction="none").mean(dim=-1)  # [N, L] per patch; fused backward
         mask = mask.float()
         return (loss * mask).sum() / mask.sum().clamp(min=1.0)
 
