@@ -321,6 +321,9 @@ def read_survey_info(store_url: str, store=None) -> tuple[SurveyInfo, Any]:
     except Exception as err:
         raise SFMError(f"cannot open survey store {store_url}: {type(err).__name__}: {err}; check the URL, the "
                        "S3 endpoint and credentials") from err
+    from sfm.contracts import read_store_attrs
+
+    read_store_attrs(attrs, f"survey store {store_url}")  # the survey_store contract, checked on read
     stats = attrs.get("stats")
     if not stats or "percentiles" not in stats:
         raise SFMError(f"survey store {store_url} has no statistics in its attributes; re-ingest the survey")
