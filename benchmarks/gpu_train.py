@@ -101,7 +101,10 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="compiled runs start only while this much time has not been used (total < 8 min)")
     parser.add_argument("--no-compile", action="store_true", help="eager only")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: default; --smoke: 1)")
     args = parser.parse_args()
+    if args.threads or args.smoke:
+        torch.set_num_threads(args.threads or 1)
 
     t_start = time.perf_counter()
     if args.smoke:

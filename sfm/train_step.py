@@ -48,14 +48,14 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float,
 
 
 def apply_training_options(model: MaskedAutoencoder3D, *, grad_checkpointing: bool = False,
-                           compile: bool = False) -> MaskedAutoencoder3D:
+                           compile: bool = False, compile_backend: str = "inductor") -> MaskedAutoencoder3D:
     """Turn on activation checkpointing (recompute each block in backward) and/or compile each
     transformer block with ``torch.compile``. Blocks are compiled in place, so parameter names and
     checkpoints are unchanged; masking (argsort, gather) stays eager. Returns the same model."""
     model.grad_checkpointing = bool(grad_checkpointing)
     if compile:
         for block in [*model.blocks, *model.decoder_blocks]:
-            block.compile()
+            block.compile(backend=compile_backend)
     return model
 
 

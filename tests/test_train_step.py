@@ -1,0 +1,178 @@
+"""sfm.train_step (the torch-only training step), sfm.hardware, the one-call model loader, and the
+GPU benchmark's CPU smoke mode (which must not import metaflow, zarr, segyio, boto3 or fsspec)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sfm.hardware import datasheet_peak_flops, matmul_flops
+from sfm.model import build_model, mae_config
+from sfm.train_step import TrainStep, apply_training_options, build_optimizer, lr_at, throughput
+
+PROJECT = Path(__file__).resolve().parents[1]
+torch.set_num_threads(1)
+
+
+def volumes(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, 1, 32, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def tiny(seed: int = 0):
+    torch.manual_seed(seed)
+    return build_model(mae_config("tiny"))
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_lr_warms_up_then_decays_to_min():
+    kw = dict(lr=1e-3, min_lr=1e-5, warmup_steps=10, max_steps=110)
+    lrs = [lr_at(s, **kw) for s in range(120)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a < b for a, b in zip(lrs[:9], lrs[1:10]))
+    assert all(a >= b for a, b in zip(lrs[10:110], lrs[11:111]))
+    assert lrs[60] == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5))  # half way: the cosine's midpoint
+    assert lrs[110] == lrs[119] == pytest.approx(1e-5)
+
+
+def test_optimizer_is_fused_and_spares_norms_biases_tokens():
+    model = tiny()
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.05)
+    assert all(g["fused"] for g in opt.param_groups)
+    decay, no_decay = opt.param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+    assert {names[id(p)] for p in no_decay["params"]} >= {"cls_token", "mask_token", "norm.weight", "norm.bias",
+                                                          "patch_embed.bias", "blocks.0.attn.qkv.bias"}
+    assert all(p.ndim >= 2 for p in decay["params"]) and "patch_embed.weight" in {names[id(p)] for p in decay["params"]}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_step_trains_clips_and_schedules():
+    model = tiny()
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, lr=1.0, min_lr=0.0, warmup_steps=2, max_steps=4))
+    norms = []
+
+    def clip(params, max_norm):
+        norms.append(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    step = TrainStep(model, opt, sched, grad_clip=0.5, clip_grad_norm=clip)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    losses = step(iter([volumes(2)]), 1)
+    assert losses.shape == (1,) and torch.isfinite(losses).all()
+    assert len(norms) == 1 and max_abs_diff(model.state_dict(), before) > 0
+    assert all(p.grad is None for p in model.parameters())  # zeroed (set to None) after the step
+    assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
+def test_accumulating_micro_batches_equals_one_big_batch():
+    """Two micro-batches of 2 give the gradient of one batch of 4: the per-micro-batch losses are
+    means over the same number of masked patches, and the masks come from one generator stream."""
+    x = volumes(4)
+    results = []
+    for chunks in (1, 2):
+        model = tiny()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = TrainStep(model, opt, generator=torch.Generator().manual_seed(3))
+        losses = step(iter(x.chunk(chunks)), chunks)
+        results.append((losses.mean(), {k: v.clone() for k, v in model.state_dict().items()}))
+    (loss1, w1), (loss2, w2) = results
+    assert loss1.item() == pytest.approx(loss2.item(), rel=1e-5)
+    assert max_abs_diff(w1, w2) < 1e-6
+
+
+def test_masks_come_from_the_step_generator_not_the_global_rng():
+    x = volumes(2)
+    runs = []
+    for global_seed in (0, 1):
+        model = tiny()
+        torch.manual_seed(global_seed)  # whatever else draws from the global RNG does not matter
+        step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), generator=torch.Generator().manual_seed(7))
+        runs.append([step(iter([x]), 1).item() for _ in range(2)])
+    assert runs[0] == runs[1]
+    model = tiny()
+    other = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), generator=torch.Generator().manual_seed(8))
+    assert other(iter([x]), 1).item() != runs[0][0]
+
+
+@pytest.mark.timeout(300)
+def test_compiled_and_checkpointed_blocks_match_eager():
+    """apply_training_options compiles each block in place (same parameter names) and turns on
+    activation checkpointing; loss and gradients match the eager model. (aot_eager: the graph
+    capture and autograd of torch.compile without inductor's C++ build, which is slow on CPU.)"""
+    x = volumes(2)
+
+    def loss_and_grads(model):
+        loss = model(x, generator=torch.Generator().manual_seed(5))[0]
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+    ref_loss, ref_grads = loss_and_grads(tiny())
+    model = apply_training_options(tiny(), grad_checkpointing=True, compile=True, compile_backend="aot_eager")
+    assert model.grad_checkpointing
+    assert list(model.state_dict()) == list(tiny().state_dict())
+    loss, grads = loss_and_grads(model)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert max_abs_diff(grads, ref_grads) < 1e-5
+
+
+def test_throughput_and_peaks():
+    speed = throughput(samples=64, seconds=2.0, flops_per_sample=1e12, voxels_per_sample=128**3,
+                       peak_flops=1e15, devices=4)
+    assert speed["samples_per_s"] == 32 and speed["voxels_per_s"] == 32 * 128**3
+    assert speed["mfu"] == pytest.approx(1e12 * 32 / 4 / 1e15)
+    assert datasheet_peak_flops("NVIDIA H200", torch.bfloat16) == 989e12
+    assert datasheet_peak_flops("NVIDIA H200", torch.float32) is None
+    assert datasheet_peak_flops("Some GPU", torch.bfloat16) is None
+    rng = torch.get_rng_state()
+    rate = matmul_flops("cpu", torch.float32, n=256, seconds=0.05)
+    assert math.isfinite(rate) and rate > 1e8
+    assert torch.equal(torch.get_rng_state(), rng), "measuring the matmul rate moved the global RNG"
+
+
+def test_load_is_one_call_and_needs_no_pickle(tmp_path):
+    import sfm.model
+
+    model = tiny(seed=4)
+    sfm.model.save(model, str(tmp_path / "export"), {"note": "test"})
+    assert {p.name for p in (tmp_path / "export").iterdir()} == {"model.safetensors", "config.json"}
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["note"] == "test"
+    loaded = sfm.model.load(str(tmp_path / "export"))
+    assert loaded.cfg == model.cfg
+    assert max_abs_diff(loaded.state_dict(), model.state_dict()) == 0
+
+
+@pytest.mark.timeout(300)
+def test_gpu_benchmark_smoke_runs_with_torch_and_sfm_model_only():
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['benchmarks/gpu_train.py', '--smoke', '--configs', 'tiny:32:2']\n"
+        "runpy.run_path('benchmarks/gpu_train.py', run_name='__main__')\n"
+        "bad = [m for m in ('metaflow', 'zarr', 'segyio', 'boto3', 'botocore', 'fsspec', 's3fs', 'accelerate',"
+        " 'sfm.data', 'sfm.storage') if m in sys.modules]\n"
+        "print('IMPORTED:' + ','.join(bad))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=PROJECT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1] == "IMPORTED:", lines[-1]
+    result = json.loads(lines[-2])
+    assert result["smoke"] and result["runs"][0]["preset"] == "tiny" and result["runs"][0]["step_ms"] > 0
+    assert 0 < result["mfu"]["tiny:32"] and result["goal_mfu"] == 0.45
+
+
+def test_gpu_benchmark_without_gpu_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_train.py"], cwd=PROJECT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "no CUDA device" in proc.stderr and "--smoke" in proc.stderr
