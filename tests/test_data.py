@@ -18,7 +18,7 @@ import torch
 import zarr
 
 from crop_stores import survey_with_holes
-from sfm import data, ingest
+from sfm import bricks, data, ingest
 from sfm.config import JobConfig
 from sfm.errors import SFMError
 
@@ -248,3 +248,49 @@ def test_bad_data_settings_are_one_line_errors(surveys, kwargs, match):
 def test_missing_store_is_an_error_naming_it(tmp_path):
     with pytest.raises(SFMError, match="nowhere.zarr"):
         data.CropSampler([str(tmp_path / "nowhere.zarr")], CROP)
+
+
+def write_store(path, ingested: str, amplitude: np.ndarray, live: np.ndarray, **array_options) -> str:
+    """The ``ingested`` survey rewritten with zarr directly, in a layout ingest does not write.
+
+    The attributes are the ingested store's (same survey, same statistics), with the layout fields
+    changed, so the store meets the survey_store contract."""
+    attrs = dict(zarr.open_group(ingested, mode="r").attrs)
+    group = zarr.open_group(str(path), mode="w", zarr_format=3)
+    amp = group.create_array("amplitude", shape=amplitude.shape, fill_value=0, **array_options)
+    amp[...] = np.where(live[:, :, None], amplitude, 0).astype(amp.dtype)
+    group.create_array("trace_mask", data=live)
+    dtype = str(amp.dtype)
+    attrs.update(dtype=dtype, store={"bricks": list(amp.chunks), "shards": list(amp.shards or amp.chunks),
+                                     "codec": "written by the test", "dtype": dtype})
+    attrs.pop("amplitude_transform", None)
+    if dtype == "float16":  # stored as plain float16 values: an identity transform
+        attrs["amplitude_transform"] = {"kind": "standardise", "stored_dtype": "float16", "offset": 0.0,
+                                        "scale": 1.0, "hole_value": 0.0}
+    group.attrs.update(attrs)
+    return str(path)
+
+
+@pytest.mark.parametrize("layout", [
+    {"chunks": (16, 16, 16), "compressors": [zarr.codecs.ZstdCodec()]},  # unsharded
+    {"chunks": (16, 16, 16), "compressors": None},  # uncompressed
+    {"chunks": (16, 8, 16), "shards": (32, 16, 32), "compressors": [zarr.codecs.GzipCodec()]},  # index at end
+    {"chunks": (16, 16, 16), "shards": (16, 32, 64), "dtype": "float16"},
+])
+def test_brick_reader_reads_what_zarr_reads(surveys, tmp_path, layout):
+    layout = {"dtype": "float32", **layout}
+    url = write_store(tmp_path / "direct.zarr", surveys.urls[0], surveys.amp[0], surveys.live[0], **layout)
+    fast = data.CropSampler([url], (24, 20, 40), seed=29, augment=data.AUGMENTATIONS, min_live_fraction=0.3)
+    slow = data.CropSampler([url], (24, 20, 40), seed=29, augment=data.AUGMENTATIONS, min_live_fraction=0.3,
+                            brick_reader=False)
+    assert isinstance(fast._readers[0], bricks.BrickReader) and slow._readers == [None]
+    np.testing.assert_array_equal(fast.read_many(list(range(12))), slow.read_many(list(range(12))))
+
+
+def test_layouts_the_brick_reader_does_not_know_are_read_through_zarr(surveys, tmp_path):
+    url = write_store(tmp_path / "big-endian.zarr", surveys.urls[0], surveys.amp[0], surveys.live[0],
+                      chunks=(16, 16, 16), dtype="float32", serializer=zarr.codecs.BytesCodec(endian="big"))
+    sampler = data.CropSampler([url], CROP, seed=31)
+    assert sampler._readers == [None]
+    np.testing.assert_allclose(sampler.read(3)[0], expected_crop(
+        SimpleNamespace(urls=[url], amp=surveys.amp[:1], live=surveys.live[:1]), sampler, 3), rtol=1e-5, atol=1e-5)

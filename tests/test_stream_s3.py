@@ -84,7 +84,8 @@ def test_workers_survive_connection_resets_and_throttling(s3_env, fault_proxy, m
 
 
 @pytest.mark.timeout(120)
-def test_a_read_that_keeps_failing_names_the_survey_and_region(s3_env, fault_proxy, monkeypatch, tmp_path):  # noqa: F811
+def test_a_read_that_keeps_failing_names_the_survey_and_region(s3_env, fault_proxy, monkeypatch,  # noqa: F811
+                                                                tmp_path):
     bucket = s3_env.make_bucket("stream-down")
     url, _, _ = survey_with_holes(tmp_path, f"{bucket}/root", shape=(48, 40, 64), seed=5)
     monkeypatch.setenv("SFM_S3_ENDPOINT_URL", fault_proxy.endpoint)
