@@ -20,12 +20,12 @@ Typical use in the loop (rank 0 writes the heartbeat; every rank runs the watchd
     with Watchdog(timeout_s=600, first_timeout_s=1800) as dog:
         for step in ...:
             loss, grad_norm = ...                              # before optimizer.step()
-            verdict = guard.observe(all_ranks_finite(loss, grad_norm))
+            verdict = guard.observe(all_ranks_finite(loss, grad_norm, reduce=lambda t: accelerator.reduce(t, "sum")))
             if verdict == SKIP: zero the gradients, do not step
             elif verdict == ROLLBACK: reload the newest checkpoint; guard.rolled_back()
             dog.progress(step)
             beat.beat(step, loss=..., samples_per_s=..., skipped_nonfinite=guard.skipped, rollbacks=guard.rollbacks)
-    beat.finish(step)
+    beat.finish(step)                                          # status="failed" from an except clause
 """
 
 from __future__ import annotations
@@ -222,18 +222,20 @@ class NonFiniteGuard:
 def all_ranks_finite(*values, reduce: Callable | None = None) -> bool:
     """True if every tensor in ``values`` is finite on every rank.
 
-    values: scalar tensors (loss, gradient norm) on this rank's device. ``reduce`` takes a float32
-    tensor and returns its minimum over ranks (e.g. ``lambda t: accelerator.reduce(t, "min")``, or
-    ``torch.distributed.all_reduce(t, op=MIN)``); None means one process. Every rank gets the same
-    answer, so every rank skips or rolls back together.
+    values: scalar tensors (loss, gradient norm) on this rank's device; None entries are ignored.
+    ``reduce`` takes this rank's count of non-finite values (a float32 scalar tensor) and returns the
+    sum (or max) over ranks: ``lambda t: accelerator.reduce(t, "sum")``, or ``torch.distributed.all_reduce``
+    with its default SUM; None means one process. Every rank gets the same answer, so every rank
+    skips or rolls back together.
     """
     import torch
 
-    flags = [torch.isfinite(v.detach()).all() for v in values if v is not None]
-    flag = torch.stack(flags).all().to(torch.float32) if flags else torch.ones(())
+    tensors = [v.detach() for v in values if v is not None]
+    bad = sum((~torch.isfinite(t)).sum() for t in tensors) if tensors else torch.zeros(())
+    bad = torch.as_tensor(bad, dtype=torch.float32)
     if reduce is not None:
-        flag = reduce(flag)
-    return bool(flag.item() > 0.5)
+        bad = reduce(bad)
+    return bool(bad.item() == 0)
 
 
 # ---- heartbeat -------------------------------------------------------------------------------------------

@@ -129,13 +129,13 @@ def _finite_worker(rank: int, world: int, init: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
 
-    def reduce_min(t):
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    def reduce_sum(t):
+        dist.all_reduce(t)  # SUM of the ranks' non-finite counts
         return t
 
     loss = torch.tensor(float("nan") if rank == 1 else 0.3)  # only rank 1 sees a NaN
-    verdicts = [health.all_ranks_finite(loss, torch.tensor(1.0), reduce=reduce_min),
-                health.all_ranks_finite(torch.tensor(0.3), torch.tensor(1.0), reduce=reduce_min)]
+    verdicts = [health.all_ranks_finite(loss, torch.tensor(1.0), reduce=reduce_sum),
+                health.all_ranks_finite(torch.tensor(0.3), torch.tensor(1.0), reduce=reduce_sum)]
     with open(f"{out}.{rank}", "w") as fh:
         json.dump(verdicts, fh)
     dist.destroy_process_group()
