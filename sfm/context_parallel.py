@@ -10,8 +10,10 @@ of process groups. A training step on a dp x cp mesh, per rank::
     all_reduce_grads(model, cp_group)                            # sum over cp: exact gradients
     # out.value is the step's loss, out.mask_ratio the effective mask ratio (log it)
 
-(or wrap ``ContextParallelMAE(model, cp_group)`` in DDP/FSDP over the whole dp x cp world, which
-then averages the gradients itself.)
+Or, in a loop written for the model (``sfm.train_step.TrainStep`` under Accelerate's DDP/FSDP
+over the whole dp x cp world), use ``ContextParallelMAE(model, cp_group, crop)`` in the model's
+place and feed it slabs: its forward returns ``(loss, None, CPLoss)`` like the model's
+``(loss, pred, mask)``, and the gradient averaging over all ranks comes out exact.
 
 Three layouts of one volume's tokens, computed alike on every rank from the crop, cp and the mask:
 
