@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -52,7 +53,7 @@ def generate_segy(path: Path, gigabytes: float, seed: int = 0) -> dict:
     """
     ni, nx, ns = TILE
     trace_bytes = 240 + 4 * ns
-    n_tiles = max(1, round(gigabytes * 1e9 / (ni * nx * trace_bytes)))
+    n_tiles = max(1, math.ceil(gigabytes * 1e9 / (ni * nx * trace_bytes)))
     amplitude, _ = synthesize_volume(TILE, seed)
     tile_file = path.with_suffix(".tile.sgy")
     write_segy(tile_file, amplitude, sample_format=5)
@@ -102,7 +103,11 @@ def encode_seconds(path: str, shape: list[int]) -> tuple[float, float]:
     ni, nx, ns = shape
     record = np.dtype([("header", np.uint8, (240,)), ("data", ">f4", (ns,))])
     traces = np.memmap(path, dtype=record, mode="r", offset=3600)["data"].reshape(ni, nx, ns)
-    codec = numcodecs.Blosc(cname="zstd", clevel=1, shuffle=numcodecs.Blosc.SHUFFLE)  # the store's codec
+    from sfm.ingest import AMPLITUDE_CODEC
+
+    spec = AMPLITUDE_CODEC  # the store's codec
+    codec = numcodecs.Blosc(cname=spec["cname"], clevel=spec["clevel"], shuffle=numcodecs.Blosc.SHUFFLE,
+                            blocksize=spec["blocksize"])
     bricks = [np.ascontiguousarray(traces[i : i + BRICK, j : j + BRICK, k : k + BRICK], dtype=np.float32)
               for i in range(0, ni, BRICK) for j in range(0, nx, BRICK) for k in range(0, ns, BRICK)]
     del traces
@@ -126,7 +131,7 @@ import json, sys
 from sfm.ingest import ingest_survey
 row = ingest_survey(sys.argv[1], sys.argv[2])
 print(json.dumps({"seconds": row["seconds"], "status": row["status"], "store_url": row["store_url"],
-                  "peak_rss_mb": peak_rss_mb()}))
+                  "timings": row["details"]["timings"], "peak_rss_mb": peak_rss_mb()}))
 """
 
 PEER_CHILD = PEAK_RSS + """
@@ -201,7 +206,8 @@ def main() -> None:
             timings["peer_s"].append(peer["seconds"])
             shutil.rmtree(work / f"peer-{rep}.zarr")
             print(f"run {rep + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in timings.items())
-                  + f", ingest rss {rss_small[-1]:.0f} MB, peer rss {peer['peak_rss_mb']:.0f} MB", flush=True)
+                  + f", ingest rss {rss_small[-1]:.0f} MB, peer rss {peer['peak_rss_mb']:.0f} MB, ingest phases "
+                  + json.dumps(child["timings"]), flush=True)
         peer_rss = peer["peak_rss_mb"]
 
         warm(big["path"])

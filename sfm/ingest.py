@@ -49,6 +49,9 @@ PERCENTILE_TRACES = 4096  # evenly spaced traces kept for the percentiles (all t
 TRANSFORM_TRACES = 1024  # evenly spaced traces read first to fix the float16 standardisation
 SHARD_BYTES = 64 << 20  # target size of one shard (bricks along the sample axis)
 FLOAT16_MAX = 65504.0
+# the bricks' codec: Blosc zstd level 1 over byte-shuffled 1 MiB blocks (35-45 % smaller than lz4 on real
+# integer-born seismic, and larger blocks compress better than Blosc's default at the same speed)
+AMPLITUDE_CODEC = {"cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
 DTYPES = ("float32", "float16")
 NONFINITE_POLICIES = ("replace", "refuse")
 
@@ -76,7 +79,7 @@ class IngestOptions:
     dtype: str = "float32"
     max_sparsity: float = 10.0
     nonfinite: str = "replace"  # "replace" NaN/inf by 0 and report, or "refuse" the file
-    workers: int = 0  # threads; 0: one per core, at most 8
+    workers: int = 0  # threads; 0: two more than the cores (at most 16), so shard writes overlap encoding
 
     def check(self) -> None:
         if self.dtype not in DTYPES:
@@ -93,7 +96,7 @@ class IngestOptions:
 
     @property
     def n_workers(self) -> int:
-        return int(self.workers) or max(1, min(8, os.cpu_count() or 1))
+        return int(self.workers) or min(16, (os.cpu_count() or 1) + 2)
 
 
 def ingest_survey(
@@ -128,7 +131,9 @@ def ingest_survey(
             raise SFMError(f"{src_url} is a directory, not a SEG-Y file; name the .sgy file itself")
         layout = read_layout(local, opts.endian)  # fails fast on files that are not SEG-Y
         fields = header_fields_needed(opts.iline_byte, opts.xline_byte)
+        t_scan = time.perf_counter()
         digest, headers = scan_file(layout, fields, opts.n_workers)
+        timings = {"fetch_s": t_scan - t0, "scan_s": time.perf_counter() - t_scan}
         survey_id = digest[:16]
         existing = manifest.get_row(data_root, survey_id)
         if existing is not None:
@@ -149,8 +154,11 @@ def ingest_survey(
             "inline_step": geometry.extra["inline_step"], "crossline_step": geometry.extra["crossline_step"],
             "dtype": opts.dtype, "nonfinite_policy": opts.nonfinite,
         }
+        t_write = time.perf_counter()
+        timings["geometry_s"] = t_write - t_scan - timings["scan_s"]
         try:
             stats = _write_store(store_url, layout, geometry, headers, attrs, opts, progress)
+            timings["write_s"] = time.perf_counter() - t_write
         except BaseException as err:
             if isinstance(err, Exception) and manifest.get_row(data_root, survey_id) is None:
                 storage.remove(store_url)  # a failed ingest leaves no store (a killed one leaves an invisible one)
@@ -172,6 +180,7 @@ def ingest_survey(
     details = {k: attrs[k] for k in ("iline_byte", "xline_byte", "byte_locations", "endian", "endian_source",
                                      "sample_format_name", "text_encoding")}
     details["holes"] = int(holes)
+    details["timings"] = {k: round(v, 3) for k, v in timings.items()}
     return {**row, "status": "ingested", "message": message, "details": details, "seconds": seconds,
             "mb_per_s": attrs["source_size"] / 1e6 / seconds}
 
@@ -202,12 +211,11 @@ class _Moments:
     zero_traces: int = 0
     sample: list = field(default_factory=list)  # [k, NS] float32 arrays of evenly spaced traces
 
-    def add_block(self, block: np.ndarray) -> None:
-        """Add live traces ``block`` [T, NS] float32 (finite)."""
+    def add_block(self, block: np.ndarray, lo: float, hi: float) -> None:
+        """Add live traces ``block`` [T, NS] float32 (finite), whose min and max are ``lo`` and ``hi``."""
         t, ns = block.shape
         sums = block.sum(axis=1)
         squares = np.einsum("ij,ij->i", block, block)
-        lo, hi = float(block.min()), float(block.max())
         n = t * ns
         total = float(sums.sum(dtype=np.float64))
         mean = total / n
@@ -309,7 +317,7 @@ def _create_arrays(group: GroupWriter, plan: _Plan, geometry: SurveyGeometry, la
     group.create_array(
         "amplitude", shape=plan.shape, chunks=plan.bricks, dtype=plan.dtype,
         shards={"shape": plan.shards, "index_location": "start"},
-        compressors=BloscCodec(cname="zstd", clevel=1, shuffle="shuffle"), fill_value=plan.hole,
+        compressors=BloscCodec(**AMPLITUDE_CODEC), fill_value=plan.hole,
         dimension_names=["inline", "crossline", "sample"], attributes=amp_attrs)
     mask = np.zeros((n_il, n_xl), dtype=bool)
     mask[geometry.trace_il, geometry.trace_xl] = True
@@ -391,7 +399,8 @@ def _write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, h
     stats = total.result(layout.n_traces)
     attrs["stats"] = stats
     attrs["store"] = {"bricks": list(plan.bricks), "shards": list(plan.shards), "shard_index": "start",
-                      "codec": "blosc zstd clevel 1 shuffle", "dtype": plan.dtype}
+                      "codec": "blosc " + " ".join(f"{k}={v}" for k, v in AMPLITUDE_CODEC.items()),
+                      "dtype": plan.dtype}
     if plan.dtype == "float16":
         attrs["amplitude_transform"] = {"kind": "standardise", "stored_dtype": "float16",
                                         "offset": plan.offset, "scale": plan.scale, "hole_value": plan.hole,
@@ -429,15 +438,17 @@ def _read_unit(reader: TraceReader, cells: np.ndarray, column: np.ndarray, strid
         else:
             block, in_place = np.empty((stop - start, column.shape[2]), dtype=np.float32), False
         reader.read_into(start, stop, block)
-        if not (np.isfinite(block.min()) and np.isfinite(block.max())):
+        lo, hi = float(block.min()), float(block.max())
+        if not (math.isfinite(lo) and math.isfinite(hi)):  # NaN or inf somewhere: count, locate, replace by 0
             bad = ~np.isfinite(block)
             moments.nonfinite += int(bad.sum())
             if moments.first_nonfinite < 0:
                 moments.first_nonfinite = start + int(np.nonzero(bad.any(axis=1))[0][0])
             block[bad] = 0.0
+            lo, hi = float(block.min()), float(block.max())
         if not in_place:
             column[i, j] = block
-        moments.add_block(block)
+        moments.add_block(block, lo, hi)
         keep = np.nonzero(np.arange(start, stop) % stride == 0)[0]
         if keep.size:
             moments.sample.append(block[keep].copy())

@@ -183,31 +183,32 @@ def test_missing_traces_become_holes(backend, tmp_path):
     assert row["details"]["holes"] == int((~live).sum())
 
 
-def test_grid_much_sparser_than_its_traces_is_refused_with_the_override(tmp_path):
+def test_grid_much_sparser_than_its_traces_is_refused_with_the_override(backend, tmp_path):
     amplitude = cases.volume((20, 20, 8))
     path = cases.write(tmp_path / "sparse.sgy", amplitude)
     keep = np.zeros((20, 20), dtype=bool)
     keep[0, 0] = keep[19, 19] = keep[10, 3] = keep[4, 15] = True  # 4 traces spanning 400 cells
-    cases.drop_traces(path, 8, keep.ravel())
-    root = str(tmp_path / "root")
+    source = backend.source(cases.drop_traces(path, 8, keep.ravel()))
     with pytest.raises(SFMError, match=r"100\.0 cells per trace.*--max-sparsity 100"):
-        ingest_survey(str(path), root, iline_byte=189, xline_byte=193)
+        ingest_survey(source, backend.root, iline_byte=189, xline_byte=193)
     with pytest.raises(SFMError, match="--max-sparsity"):  # detection finds no other pair either
-        ingest_survey(str(path), root)
-    row = ingest_survey(str(path), root, max_sparsity=100)
+        ingest_survey(source, backend.root)
+    assert backend.published() == [] and backend.stores() == []
+    row = ingest_survey(source, backend.root, max_sparsity=100)
     assert row["shape"] == [20, 20, 8] and row["details"]["holes"] == 396
 
 
-def test_duplicate_traces_name_the_first_pair(tmp_path):
+def test_duplicate_traces_name_the_first_pair(backend, tmp_path):
     path = cases.write(tmp_path / "dups.sgy", cases.volume((6, 5, 8)), first_inline=100, first_crossline=300)
     head, records = cases.traces(path, 8)
     cases.set_field(records, 17, 189, 101)  # trace #18 (inline 103) claims inline 101, crossline 302
     cases.set_field(records, 17, 193, 302)
     cases.set_field(records, 25, 189, 101)  # and a later one too
     cases.set_field(records, 25, 193, 302)
-    cases.rewrite(path, head, records)
+    source = backend.source(cases.rewrite(path, head, records))
     with pytest.raises(SFMError, match=r"duplicate traces: inline 101, crossline 302 appears at trace #8 and #18"):
-        ingest_survey(str(path), str(tmp_path / "root"))
+        ingest_survey(source, backend.root)
+    assert backend.published() == [] and backend.stores() == []
 
 
 def test_pre_stack_is_refused_as_pre_stack(segy_dir, tmp_path):
@@ -217,24 +218,24 @@ def test_pre_stack_is_refused_as_pre_stack(segy_dir, tmp_path):
         ingest_survey(str(segy_dir / "small-ps.sgy"), str(tmp_path / "root"), iline_byte=189, xline_byte=193)
 
 
-def test_byte_locations_detected_or_given(tmp_path):
+def test_byte_locations_detected_or_given(backend, tmp_path):
     amplitude = cases.volume((6, 5, 8))
-    root = str(tmp_path / "root")
+    root = backend.root
     for il, xl in ((9, 21), (221, 225)):  # common pairs: found when 189/193 holds no grid
         path = cases.write(tmp_path / f"bytes-{il}.sgy", amplitude, iline_byte=il, xline_byte=xl)
-        row = ingest_survey(str(path), root)
+        row = ingest_survey(backend.source(path), root)
         attrs = read_store_attrs(row["store_url"])
         assert (attrs["iline_byte"], attrs["xline_byte"], attrs["byte_locations"]) == (il, xl, "detected")
         assert "189/193" in attrs["byte_pairs_rejected"]
-        assert np.array_equal(zarr.open_group(row["store_url"], mode="r")["amplitude"][...], amplitude)
-    custom = cases.write(tmp_path / "bytes-13.sgy", amplitude, iline_byte=13, xline_byte=29)  # no field name
+        assert np.array_equal(backend.group(row["store_url"])["amplitude"][...], amplitude)
+    custom = backend.source(cases.write(tmp_path / "bytes-13.sgy", amplitude, iline_byte=13, xline_byte=29))
     with pytest.raises(SFMError, match="no valid inline/crossline grid at bytes 189/193.*--iline-byte/--xline-byte"):
-        ingest_survey(str(custom), root)
-    row = ingest_survey(str(custom), root, iline_byte=13, xline_byte=29)
+        ingest_survey(custom, root)
+    row = ingest_survey(custom, root, iline_byte=13, xline_byte=29)  # a position segyio has no name for
     assert row["details"]["byte_locations"] == "given"
-    assert np.array_equal(zarr.open_group(row["store_url"], mode="r")["amplitude"][...], amplitude)
+    assert np.array_equal(backend.group(row["store_url"])["amplitude"][...], amplitude)
     with pytest.raises(SFMError, match="outside the 240-byte trace header"):
-        ingest_survey(str(custom), root, iline_byte=239, xline_byte=29)
+        ingest_survey(custom, root, iline_byte=239, xline_byte=29)
 
 
 def test_crossline_sorted_equals_inline_sorted(backend, tmp_path):
@@ -246,29 +247,29 @@ def test_crossline_sorted_equals_inline_sorted(backend, tmp_path):
     assert np.array_equal(arrays[0], amplitude) and np.array_equal(arrays[1], amplitude)
 
 
-def test_byte_order_detection_and_override(tmp_path):
+def test_byte_order_detection_and_override(backend, tmp_path):
     amplitude = cases.volume((4, 3, 8))
-    root = str(tmp_path / "root")
-    little = cases.write(tmp_path / "little.sgy", amplitude, endian="little")  # segyio writes no 3297 constant
-    row = ingest_survey(str(little), root)
+    root = backend.root
+    little = backend.source(cases.write(tmp_path / "little.sgy", amplitude, endian="little"))  # no 3297 constant
+    row = ingest_survey(little, root)
     assert row["details"]["endian"] == "little" and "format code" in row["details"]["endian_source"]
     with pytest.raises(SFMError, match="try --endian little"):
-        ingest_survey(str(little), root, endian="big")
+        ingest_survey(little, root, endian="big")
     constant = cases.set_byte_order_constant(cases.write(tmp_path / "constant.sgy", amplitude, endian="little"),
                                              "little")
-    row = ingest_survey(str(constant), root, endian="auto")
+    row = ingest_survey(backend.source(constant), root, endian="auto")
     assert "constant" in row["details"]["endian_source"]
-    assert np.array_equal(zarr.open_group(row["store_url"], mode="r")["amplitude"][...], amplitude)
+    assert np.array_equal(backend.group(row["store_url"])["amplitude"][...], amplitude)
     garbage = tmp_path / "garbage.sgy"
     garbage.write_bytes(b"\x7f" * 4000)
     with pytest.raises(SFMError, match="no byte order gives a valid sample format.*--endian"):
-        ingest_survey(str(garbage), root)
+        ingest_survey(backend.source(garbage), root)
 
 
-def test_ascii_text_header_is_kept(tmp_path):
+def test_ascii_text_header_is_kept(backend, tmp_path):
     path = cases.ascii_text_header(cases.write(tmp_path / "ascii.sgy", cases.volume((3, 3, 8))),
                                    ["C 1 CLIENT: NORTH SEA TEST", "C 2 ASCII, NOT EBCDIC"])
-    row = ingest_survey(str(path), str(tmp_path / "root"))
+    row = ingest_survey(backend.source(path), backend.root)
     attrs = read_store_attrs(row["store_url"])
     assert attrs["text_encoding"] == "ascii"
     assert attrs["text_header"].splitlines()[:2] == ["C 1 CLIENT: NORTH SEA TEST", "C 2 ASCII, NOT EBCDIC"]
@@ -296,13 +297,13 @@ def test_nan_samples_are_replaced_and_reported_or_refused(backend, tmp_path):
     assert "3 NaN/inf samples replaced by 0" in row["message"]
 
 
-def test_all_zero_survey(tmp_path):
+def test_all_zero_survey(backend, tmp_path):
     path = cases.write(tmp_path / "zero.sgy", np.zeros((4, 4, 8), dtype=np.float32))
-    row = ingest_survey(str(path), str(tmp_path / "root"))
+    row = ingest_survey(backend.source(path), backend.root)
     stats = json.loads(row["stats_json"])
     assert stats["all_zero"] is True and stats["count"] == 128 and stats["zero_traces"] == 16
     assert stats["std"] == 0.0 and stats["min"] == stats["max"] == 0.0
-    assert not zarr.open_group(row["store_url"], mode="r")["amplitude"][...].any()
+    assert not backend.group(row["store_url"])["amplitude"][...].any()
 
 
 def test_float16_stores_standardised_values_and_the_transform(backend, tmp_path):
