@@ -118,7 +118,7 @@ class PretrainFlow(FlowSpec):
             )
         self.next(self.evaluate)
 
-    @card(type="blank", id="evaluation")
+    @card(type="blank", id="evaluation", timeout=600)  # rendering waits for a busy machine rather than dropping the card
     @step
     def evaluate(self, inputs):
         """Held-out metrics against the baselines, the fault probe, and the card (loss curve, slices, tables)."""

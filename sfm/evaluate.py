@@ -260,7 +260,8 @@ def summarize(metrics: dict[str, Any]) -> str:
     return (f"held-out masked NMSE {metrics['masked_nmse']:.4f} (zero {metrics['baseline_zero_nmse']:.4f}, "
             f"mean {metrics['baseline_mean_nmse']:.4f}, interp {metrics['baseline_interp_nmse']:.4f}); "
             f"voxel space {metrics['voxel_model_nmse']:.4f} (mean {metrics['voxel_mean_nmse']:.4f}, "
-            f"interp {metrics['voxel_interp_nmse']:.4f}); PSNR {metrics['masked_psnr']:.2f} dB over {metrics['crops']} crops")
+            f"interp {metrics['voxel_interp_nmse']:.4f}); PSNR {metrics['masked_psnr']:.2f} dB over "
+            f"{metrics['crops']} crops")
 
 
 __all__ = ["evaluate_model", "interpolate_masked", "MaskedError", "predictions", "metrics_table", "summarize"]

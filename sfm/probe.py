@@ -41,7 +41,8 @@ import torch.nn.functional as F
 PROBE_SEED = 7000  # volume seeds PROBE_SEED, PROBE_SEED + 1, ...: far from the demo surveys' 0, 1, 2
 
 
-def probe_volumes(count: int, shape: tuple[int, int, int], seed: int = PROBE_SEED) -> list[tuple[np.ndarray, np.ndarray]]:
+def probe_volumes(count: int, shape: tuple[int, int, int], seed: int = PROBE_SEED
+                  ) -> list[tuple[np.ndarray, np.ndarray]]:
     """``count`` labelled synthetic volumes: (amplitude float32 [IL, XL, NS] normalised, faults uint8 [IL, XL, NS])."""
     from sfm.synth import synthesize_volume
 

@@ -24,9 +24,9 @@ misses nor repeats a file: a file is marked ``running`` with the run's tag befor
 and a watcher that finds a ``running`` survey asks Metaflow whether a run with that tag succeeded
 (then it is ``trained``) or not (then it is retried).
 
-The lease is a ``write_bytes_if_absent`` claim holding an expiry time; the holder refreshes it while
+The lease is a claim (:func:`sfm.registry.claim`) holding an expiry time; the holder refreshes it while
 it works, and a watcher that finds it expired takes it over (one taker per expired lease). Watchers
-on machines whose clocks disagree by more than a lease period can overlap; keep ``--lease-s`` well
+on machines whose clocks disagree by more than a lease period can overlap; keep ``--lease`` well
 above that.
 """
 
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sfm import manifest, registry, storage
+from sfm import storage  # manifest and registry (pandas, jsonschema) load where used: the flow imports this module
 from sfm.config import JobConfig
 from sfm.errors import SFMError
 
@@ -152,6 +152,8 @@ class Lease:
         return {"owner": self.owner, "expires_at": _now() + self.lease_s, "renewed_at": _iso()}
 
     def try_acquire(self) -> bool:
+        from sfm import registry
+
         if registry.claim(self.url, self._doc()):
             return True
         held = read_json(self.url)
@@ -253,7 +255,10 @@ def identify(data_root: str, f: LandingFile) -> LandingFile:
 def quarantine(data_root: str, f: LandingFile, reason: str) -> str:
     """Move ``f`` to ``<data-root>/quarantine/`` beside a ``.reason.json``; record it; returns the new URL."""
     folder = storage.join(data_root, "quarantine")
-    target = storage.safe_join(folder, f"{f.survey_id}-{f.name}", what="landing file name")
+    try:
+        target = storage.safe_join(folder, f"{f.survey_id}-{f.name}", what="landing file name")
+    except SFMError:  # a name that cannot be a path: the content id alone (the reason keeps the name)
+        target = storage.join(folder, f"{f.survey_id}.segy")
     if storage.exists(f.url):
         with tempfile.TemporaryDirectory(prefix="sfm-quarantine-") as tmp:
             storage.upload(storage.local_copy(f.url, tmp), target)
@@ -297,6 +302,8 @@ def registered_version(tags: list[str]) -> int | None:
 
 def pending_files(data_root: str, files: list[LandingFile], max_attempts: int) -> list[LandingFile]:
     """The files a run must take now (one per survey), after quarantining the unreadable ones."""
+    from sfm import manifest
+
     in_manifest = set(manifest.read(data_root)["survey_id"])
     chosen: dict[str, LandingFile] = {}
     for f in files:
@@ -347,6 +354,8 @@ def run_plan(opts: WatchOptions) -> dict[str, Any]:
     ``--held-out`` if given, else the champion's held-out surveys (their SEG-Y sources, found through
     the manifest), so the new version is scored on the same surveys as the champion it must beat.
     """
+    from sfm import manifest, registry
+
     model_name = JobConfig.from_toml(opts.config or None, opts.overrides).registry.model_name
     champion = registry.champion_version(opts.data_root, model_name)
     record = registry.get(opts.data_root, model_name, champion) if champion else None
@@ -428,14 +437,16 @@ def process(opts: WatchOptions, files: list[LandingFile], plan: dict[str, Any]) 
             set_survey_state(opts.data_root, f.survey_id, status="published", event_id=event_id)
         log(f"published {plan['config'].retrain.event!r} for {names} (event {event_id})")
         return {"published": [f.url for f in files], "event_id": event_id}
-    log(f"training on {names} from {plan['init_from'] or 'scratch'}; held out: {', '.join(plan['held_out']) or 'the flow default'}")
+    held = ", ".join(plan["held_out"]) or "the flow's default"
+    log(f"training on {names} from {plan['init_from'] or 'scratch'}; held out: {held}")
     result = start_run(opts, files, plan, tag)
     if result["status"] == "successful":
         version = registered_version(result["tags"])
         for f in files:
             set_survey_state(opts.data_root, f.survey_id, status="trained", run=result["pathspec"], version=version)
         log(f"run {result['pathspec']} registered {plan['model_name']} v{version} from {names}")
-        return {"run": result["pathspec"], "status": "successful", "version": version, "surveys": [f.url for f in files]}
+        return {"run": result["pathspec"], "status": "successful", "version": version,
+                "surveys": [f.url for f in files]}
     culprit, line = attribute_failure(result["stderr"], files)
     for f in files:
         if culprit is f:
@@ -461,7 +472,7 @@ def watch_once(opts: WatchOptions) -> dict[str, Any]:
             log(f"nothing new in {opts.landing}")
             return {"status": "idle"}
         if not plan["held_out"] and plan["champion"] is None and len(files) < 2:
-            log(f"{files[0].name} waits: a first model needs a held-out survey; pass --held-out or land a second survey")
+            log(f"{files[0].name} waits: a first model needs a held-out survey; pass --held-out or land another")
             return {"status": "waiting", "surveys": [f.url for f in files]}
         return process(opts, files, plan)
     finally:

@@ -111,7 +111,8 @@ def test_zero_and_mean_baselines_have_their_closed_form_nmse():
     mu, sd = patches.mean(-1), (patches.var(-1) + 1e-6).sqrt()
     p = patches.shape[-1]
     m = mask.bool()
-    expected = ((p - 1) * (patches.var(-1) / sd**2) + p * (mu / sd) ** 2)[m].sum() / ((p - 1) * patches.var(-1) / sd**2)[m].sum()
+    energy = (p - 1) * patches.var(-1) / sd**2  # sum of t^2 over a patch
+    expected = (energy + p * (mu / sd) ** 2)[m].sum() / energy[m].sum()
     assert scores["target_mean"] == pytest.approx(float(expected), rel=1e-4)
     assert scores["target_mean"] > scores["target_zero"]
     # in voxel space the survey mean is the zero prediction: NMSE = sum x^2 / sum (x - mean x)^2

@@ -30,8 +30,10 @@ print("CARD-JSON " + json.dumps({"count": len(cards), "type": cards[0].type, "ht
 def default_run(tmp_path_factory):
     """`python flows/pretrain_flow.py run` with no parameters, in an empty folder (outputs in ./sfm_data)."""
     home = tmp_path_factory.mktemp("default-run")
+    # local cards ignore DATASTORE_SYSROOT_LOCAL and look for a .metaflow folder above the cwd: pin them here
     env = {"METAFLOW_USER": "sfm-test", "METAFLOW_HOME": str(home / "mfhome"), "METAFLOW_DEFAULT_DATASTORE": "local",
-           "METAFLOW_DATASTORE_SYSROOT_LOCAL": str(home / "mfroot"), "METAFLOW_DEFAULT_METADATA": "local"}
+           "METAFLOW_DATASTORE_SYSROOT_LOCAL": str(home / "mfroot"), "METAFLOW_DEFAULT_METADATA": "local",
+           "METAFLOW_CARD_LOCALROOT": str(home / "mfroot" / "mf.cards")}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # Runner reads some settings from this process's environment
     try:

@@ -121,7 +121,8 @@ def test_champion_follows_the_margin_rule(tmp_path):
     assert registry.maybe_promote(root, MODEL, 2, force=True)  # forced: a person decided
     assert registry.champion_version(root, MODEL) == 2
     history = registry.champion_history(root, MODEL)
-    assert [(e["version"], e["forced"], e["previous"]) for e in history] == [(1, False, None), (3, False, 1), (2, True, 3)]
+    assert [(e["version"], e["forced"], e["previous"]) for e in history] == [
+        (1, False, None), (3, False, 1), (2, True, 3)]
     with pytest.raises(SFMError, match="no champion"):
         registry.get(str(tmp_path / "empty"), MODEL, "champion")
 
