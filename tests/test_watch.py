@@ -46,7 +46,7 @@ def flow_runs(env: dict, cwd: str) -> list[dict]:
     return json.loads(line[5:])
 
 
-def make_champion_root(root: Path) -> dict:
+def make_champion_root(root: Path | str) -> dict:
     """A data root as a first training would leave it: demo SEG-Y in landing, a training and a held-out
     survey ingested, and a registered champion (a freshly initialised tiny model) whose lineage names the
     held-out survey. demo-train-1 is in landing but not in the manifest: new to the watcher."""
@@ -172,6 +172,39 @@ def test_watch_publishes_the_new_survey_event_instead_of_running(tmp_path, metaf
     assert flow_runs(metaflow_env, str(tmp_path)) == []  # nothing ran locally
     # the payload fields are exactly what the flow's @trigger maps onto its parameters
     assert set(trigger_event({})["parameters"].values()) <= set(payload)
+
+
+@pytest.mark.timeout(600)
+def test_watch_on_s3_quarantines_and_publishes(tmp_path, metaflow_env, s3_env):
+    """The same pass with the landing prefix, data root and watcher state on S3 (moto_server)."""
+    bucket = "sfm-watch"
+    setup = make_champion_root(s3_env.make_bucket(bucket) + "/data")
+    s3_env.client().put_object(Bucket=bucket, Key="data/landing/broken.sgy", Body=b"not SEG-Y either\n" * 300)
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Webhook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Webhook.received.clear()
+    try:
+        proc = subprocess.run(watch_cmd(setup, "--publish-event", "--event-url",
+                                        f"http://127.0.0.1:{server.server_port}/events"),
+                              env={**os.environ, **metaflow_env, **s3_env.env()}, cwd=str(tmp_path),
+                              capture_output=True, text=True, timeout=400)
+    finally:
+        server.shutdown()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [e["payload"]["surveys"] for e in _Webhook.received] == [setup["urls"]["demo-train-1"]]
+    keys = s3_env.keys(bucket, "data/")
+    assert "data/landing/broken.sgy" not in keys
+    quarantined = [k for k in keys if k.startswith("data/quarantine/")]
+    assert sorted(k.rsplit("-", 1)[-1] for k in quarantined) == ["broken.sgy", "broken.sgy.reason.json"]
+    assert any(k.startswith("data/watch/surveys/") for k in keys) and "data/watch/lock.json" not in keys
+
+
+def test_lease_on_s3_has_one_holder(s3_env):
+    root = s3_env.make_bucket("sfm-lease") + "/data"
+    leases = [Lease(root, lease_s=60.0) for _ in range(3)]
+    assert [lease.try_acquire() for lease in leases] == [True, False, False]
+    leases[0].release()
+    assert leases[2].try_acquire() and not leases[1].try_acquire()
 
 
 def test_lease_is_exclusive_and_an_expired_one_is_taken_over_once(tmp_path):
