@@ -379,7 +379,9 @@ def test_preset_table_and_mfu():
 def test_model_package_imports_only_torch():
     code = (
         "import sys, sfm.model\n"
-        "bad = [m for m in ('metaflow', 'zarr', 'segyio', 'boto3', 'torch.distributed.fsdp')"
+        "assert callable(sfm.model.load) and callable(sfm.model.save)\n"
+        "bad = [m for m in ('metaflow', 'zarr', 'segyio', 'boto3', 'fsspec', 's3fs', 'sfm.storage',"
+        " 'torch.distributed.fsdp')"
         " if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )

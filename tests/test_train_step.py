@@ -139,14 +139,20 @@ def test_throughput_and_peaks():
     assert torch.equal(torch.get_rng_state(), rng), "measuring the matmul rate moved the global RNG"
 
 
-def test_load_is_one_call_and_needs_no_pickle(tmp_path):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_load_is_one_call_and_needs_no_pickle(where, tmp_path, request):
     import sfm.model
+    from sfm import storage
 
+    if where == "s3":
+        url = storage.join(request.getfixturevalue("s3_env").make_bucket("sfm-export"), "models", "m1")
+    else:
+        url = str(tmp_path / "export")
     model = tiny(seed=4)
-    sfm.model.save(model, str(tmp_path / "export"), {"note": "test"})
-    assert {p.name for p in (tmp_path / "export").iterdir()} == {"model.safetensors", "config.json"}
-    assert json.loads((tmp_path / "export" / "config.json").read_text())["note"] == "test"
-    loaded = sfm.model.load(str(tmp_path / "export"))
+    sfm.model.save(model, url, {"note": "test"})
+    assert sorted(storage.list_dir(url)) == ["config.json", "model.safetensors"]
+    assert json.loads(storage.read_bytes(storage.join(url, "config.json")))["note"] == "test"
+    loaded = sfm.model.load(url)
     assert loaded.cfg == model.cfg
     assert max_abs_diff(loaded.state_dict(), model.state_dict()) == 0
 
