@@ -87,7 +87,7 @@ class IngestOptions:
         if self.nonfinite not in NONFINITE_POLICIES:
             raise SFMError(f"nonfinite={self.nonfinite!r}: use 'replace' or 'refuse'")
         if not 1 <= int(self.chunk) <= 4096:
-            raise SFMError(f"--chunk {self.chunk} is not a brick edge; use 16..512 (default 128)")
+            raise SFMError(f"--chunk {self.chunk} is not a brick edge; give 1..4096 voxels (default 128)")
         if not self.max_sparsity >= 1:
             raise SFMError(f"--max-sparsity {self.max_sparsity} must be at least 1 (cells per trace)")
         for byte in (self.iline_byte, self.xline_byte):
@@ -243,7 +243,7 @@ class _Moments:
         self.zero_traces += other.zero_traces
         self.sample.extend(other.sample)
 
-    def result(self, n_traces: int) -> dict[str, Any]:
+    def result(self) -> dict[str, Any]:
         base = {"nonfinite_replaced": int(self.nonfinite), "zero_traces": int(self.zero_traces),
                 "percentile_traces": int(sum(len(s) for s in self.sample))}
         if self.n == 0:
@@ -396,7 +396,7 @@ def _write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, h
                 raise
             finally:
                 bar.close()
-    stats = total.result(layout.n_traces)
+    stats = total.result()
     attrs["stats"] = stats
     attrs["store"] = {"bricks": list(plan.bricks), "shards": list(plan.shards), "shard_index": "start",
                       "codec": "blosc " + " ".join(f"{k}={v}" for k, v in AMPLITUDE_CODEC.items()),

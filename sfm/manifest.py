@@ -14,10 +14,6 @@ import io
 import json
 from typing import Any
 
-import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from sfm import storage
 from sfm.contracts import validate
 
@@ -39,6 +35,9 @@ def publish(data_root: str, row: dict[str, Any]) -> bool:
     Returns False (and changes nothing) when the survey's row already exists: two ingests of the same
     content racing each other publish exactly one row.
     """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     validate("manifest_row", row, f"manifest row for {row.get('name', '?')}")
     table = pa.Table.from_pylist([row])
     buf = io.BytesIO()
@@ -47,6 +46,8 @@ def publish(data_root: str, row: dict[str, Any]) -> bool:
 
 
 def get_row(data_root: str, survey_id: str) -> dict[str, Any] | None:
+    import pyarrow.parquet as pq
+
     url = row_url(data_root, survey_id)
     if not storage.exists(url):
         return None
@@ -56,8 +57,10 @@ def get_row(data_root: str, survey_id: str) -> dict[str, Any] | None:
     return row
 
 
-def read(data_root: str) -> pd.DataFrame:
-    """All published surveys, one row each, sorted by survey_id."""
+def read(data_root: str):
+    """All published surveys as a pandas DataFrame, one row each, sorted by survey_id."""
+    import pandas as pd
+
     rows = []
     for name in storage.list_dir(rows_url(data_root)):
         if name.endswith(".parquet"):

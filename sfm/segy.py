@@ -140,7 +140,9 @@ def _binary_fields(binary: bytes, order: str) -> dict[str, int]:
         start = pos - TEXT_HEADER_BYTES - 1
         return int.from_bytes(binary[start : start + size], order, signed=True)
 
-    major, minor = binary[300], binary[301]  # bytes 3501/3502: revision, one byte each
+    major, minor = binary[300], binary[301]  # bytes 3501/3502: revision, one byte each (rev 2)
+    if order == "little" and (major, minor) == (0, 1):  # a rev 1 writer's 16-bit 0x0100, little-endian
+        major, minor = 1, 0
     fields = {
         "format": signed(3225), "samples": unsigned(3221), "interval": unsigned(3217),
         "ext_text_headers": signed(3505), "major": major, "minor": minor,
@@ -188,7 +190,7 @@ def layout_from_header(path: str, head: bytes, size: int, endian: str = "auto") 
             if (f["format"] in SAMPLE_FORMATS or f["format"] in UNSUPPORTED_FORMATS) and f["samples"] > 0:
                 plausible.append(candidate)
         if len(plausible) == 2:  # both readings look valid: keep the one whose traces fill the file exactly
-            whole = [o for o in plausible if _layout(name, path, binary, size, o, "").n_traces_exact]
+            whole = [o for o in plausible if _LayoutCheck(name, path, size, o, "", binary).n_traces_exact]
             plausible = whole if len(whole) == 1 else plausible
         if len(plausible) != 1:
             what = "no byte order" if not plausible else "both byte orders"
@@ -197,20 +199,15 @@ def layout_from_header(path: str, head: bytes, size: int, endian: str = "auto") 
                 "binary header (bytes 3221-3226); pass --endian big|little if you know it"
             )
         order, source = plausible[0], "format code and sample count (bytes 3221-3226)"
-    layout = _layout(name, path, binary, size, order, source)
-    return layout.checked(name, size)
-
-
-def _layout(name: str, path: str, binary: bytes, size: int, order: str, source: str) -> "_LayoutCheck":
-    f = _binary_fields(binary, order)
-    return _LayoutCheck(name, str(path), size, order, source, f)
+    return _LayoutCheck(name, path, size, order, source, binary).checked()
 
 
 class _LayoutCheck:
     """A reading of the binary header in one byte order, with the checks that make it a layout."""
 
-    def __init__(self, name: str, path: str, size: int, order: str, source: str, f: dict[str, int]):
-        self.name, self.path, self.size, self.order, self.source, self.f = name, path, size, order, source, f
+    def __init__(self, name: str, path: str, size: int, order: str, source: str, binary: bytes):
+        self.name, self.path, self.size, self.order, self.source = name, str(path), size, order, source
+        self.f = f = _binary_fields(binary, order)
         fmt, samples = f["format"], f["samples"]
         self.valid = _format_problem(fmt) is None and samples > 0
         ext = max(0, f["ext_text_headers"])
@@ -220,8 +217,9 @@ class _LayoutCheck:
         self.n_traces, self.rest = divmod(max(0, size - self.data_offset), self.trace_bytes) if self.valid else (0, 0)
         self.n_traces_exact = self.valid and self.n_traces > 0 and self.rest == 0
 
-    def checked(self, name: str, size: int) -> SegyLayout:
-        f = self.f
+    def checked(self) -> SegyLayout:
+        """The layout, or an SFMError saying what makes this reading of the header unusable."""
+        f, name, size = self.f, self.name, self.size
         fmt, samples = f["format"], f["samples"]
         problem = _format_problem(fmt)
         if problem:

@@ -64,9 +64,9 @@ def test_same_content_twice_is_a_no_op_that_says_so(backend, tmp_path, segy_dir)
 
 @pytest.mark.timeout(300)
 def test_sigkill_mid_file_leaves_no_row_and_the_rerun_matches(backend, tmp_path):  # noqa: F811
-    amplitude = cases.volume((64, 64, 384), seed=7)
+    amplitude = cases.volume((96, 96, 384), seed=7)  # 144 brick columns of 8 x 8 traces: time to kill it
     source = backend.source(cases.write(tmp_path / "kill.sgy", amplitude))
-    args = [source, "--out", backend.root, "--chunk", "16"]
+    args = [source, "--out", backend.root, "--chunk", "8"]
     proc = sfm_ingest(*args)
     deadline = time.monotonic() + 180
     while not any("/amplitude/c/" in key for key in store_keys(backend)):  # the first shard is written
@@ -77,7 +77,7 @@ def test_sigkill_mid_file_leaves_no_row_and_the_rerun_matches(backend, tmp_path)
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
     shards = [k for k in store_keys(backend) if "/amplitude/c/" in k]
-    assert 0 < len(shards) < 16, "the kill must land mid-file"
+    assert 0 < len(shards) < 144, "the kill must land mid-file"
     assert backend.published() == []
 
     rerun = sfm_ingest(*args)
@@ -86,7 +86,7 @@ def test_sigkill_mid_file_leaves_no_row_and_the_rerun_matches(backend, tmp_path)
     row = json.loads(out.splitlines()[0])
     assert row["status"] == "ingested" and backend.published() == [row["survey_id"]]
     clean_root = f"{backend.root}-clean"  # an uninterrupted ingest of the same source
-    reference = ingest_survey(source, clean_root, chunk=16)
+    reference = ingest_survey(source, clean_root, chunk=8)
     assert reference["survey_id"] == row["survey_id"]
     assert store_objects(backend) == store_objects(backend, clean_root)  # byte for byte: the same survey
     assert np.array_equal(backend.group(row["store_url"])["amplitude"][...], amplitude)
