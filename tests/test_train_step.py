@@ -174,11 +174,3 @@ def test_gpu_benchmark_smoke_runs_with_torch_and_sfm_model_only():
     result = json.loads(lines[-2])
     assert result["smoke"] and result["runs"][0]["preset"] == "tiny" and result["runs"][0]["step_ms"] > 0
     assert 0 < result["mfu"]["tiny:32"] and result["goal_mfu"] == 0.45
-
-
-def test_gpu_benchmark_without_gpu_says_so():
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_train.py"], cwd=PROJECT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode != 0 and "no CUDA device" in proc.stderr and "--smoke" in proc.stderr
