@@ -90,11 +90,12 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_of_step(s) / cfg.train.lr)
     # the scheduler is stepped by hand once per optimiser step, whatever the world size
     model, optimizer = accelerator.prepare(model, optimizer)
-    torch.manual_seed(cfg.data.seed * 1000 + 17 + rank)
+    rank_seed = cfg.data.seed * 1000 + 17 + rank
+    torch.manual_seed(rank_seed)
     # MAE masks come from a generator of their own (different on each rank, saved with every
     # checkpoint): the data loader's workers and libraries draw from the global RNG at times that
     # differ between a run and its resumption, and must not shift the masks.
-    mask_rng = torch.Generator(device=accelerator.device).manual_seed(cfg.data.seed * 1000 + 17 + rank)
+    mask_rng = torch.Generator(device=accelerator.device).manual_seed(rank_seed)
 
     micro_batches = max(1, cfg.train.grad_accum)
     start_step, history, data_state = 0, [], None

@@ -161,3 +161,38 @@ def test_unreadable_latest_checkpoint_falls_back_and_still_ends_exactly(referenc
     assert "unreadable" in result["log"] and "falling back" in result["log"]
     assert result["summary"]["resumed_from_step"] == MAX_STEPS - EVERY
     assert_same_run(result, reference, str(run_root), reference["root"])
+
+
+@pytest.mark.timeout(400)
+def test_two_ranks_resume_together_when_one_cannot_read_the_latest(survey_store, tmp_path):
+    """Two gloo ranks under torchrun. Rank 1's part of the newest checkpoint is unreadable: rank 1
+    falls back, rank 0 could read it, and both continue from the older one (never out of step),
+    ending with the weights of the uninterrupted two-rank run."""
+    from sfm.launch import free_port, launch_node
+
+    run_root = tmp_path / "run"
+    job = make_job(survey_store, str(run_root))
+    job["config"]["train"]["max_steps"] = 2 * EVERY
+    job["config"]["dist"] = {"procs_per_node": 2}
+    launch = dict(nodes=1, procs_per_node=2, node_rank=0, main_addr="127.0.0.1")
+    launch_node(job, main_port=free_port(), **launch)
+    uninterrupted = final_weights(str(run_root))
+    assert checkpoint.complete_steps(str(run_root / "ckpt")) == [EVERY, 2 * EVERY]
+    rng1 = run_root / "ckpt" / f"step-{2 * EVERY:06d}" / "rng-rank1.pt"
+    rng1.write_bytes(rng1.read_bytes()[:100])
+    (run_root / "final" / "model.safetensors").unlink()
+
+    log = tmp_path / "restart.log"
+    with open(log, "w") as fh:
+        proc = subprocess.run([sys.executable, "-c", "import json, sys; from sfm.launch import launch_node; "
+                               f"launch_node(json.loads(sys.argv[1]), main_port={free_port()}, **{launch!r})",
+                               json.dumps(job)], cwd=PROJECT, stdout=fh, stderr=subprocess.STDOUT, timeout=380)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "[rank 1] checkpoint" in text and "unreadable" in text
+    assert f"all ranks continue from step {EVERY}" in text
+    summary = json.loads((run_root / "summary.json").read_text())
+    assert summary["resumed_from_step"] == EVERY and summary["world_size"] == 2
+    resumed = final_weights(str(run_root))
+    for name, ref in uninterrupted.items():
+        assert_close(resumed[name], ref, name)
