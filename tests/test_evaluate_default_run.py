@@ -28,14 +28,20 @@ print("CARD-JSON " + json.dumps({"count": len(cards), "type": cards[0].type, "ht
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-    """`python flows/pretrain_flow.py run` with no parameters, in an empty folder (outputs in ./sfm_data)."""
+    """`python flows/pretrain_flow.py run` with no parameters, in an empty folder: Metaflow keeps its
+    datastore and cards in ./.metaflow (created first, so Metaflow does not adopt one further up) and the
+    pipeline its outputs in ./sfm_data.
+
+    Not METAFLOW_DATASTORE_SYSROOT_LOCAL: with it Metaflow writes local cards beside the cwd's .metaflow
+    but reads them under the sysroot, so get_cards would not find them."""
     home = tmp_path_factory.mktemp("default-run")
-    # Metaflow writes local cards to CARD_LOCALROOT or the first .metaflow folder above the cwd, but the
-    # client reads them under the run's datastore root (DATASTORE_SYSROOT_LOCAL/.metaflow): pin them there
+    (home / ".metaflow").mkdir()
     env = {"METAFLOW_USER": "sfm-test", "METAFLOW_HOME": str(home / "mfhome"), "METAFLOW_DEFAULT_DATASTORE": "local",
-           "METAFLOW_DATASTORE_SYSROOT_LOCAL": str(home / "mfroot"), "METAFLOW_DEFAULT_METADATA": "local",
-           "METAFLOW_CARD_LOCALROOT": str(home / "mfroot" / ".metaflow" / "mf.cards")}
-    saved = {k: os.environ.get(k) for k in env}
+           "METAFLOW_DEFAULT_METADATA": "local"}
+    unset = ("METAFLOW_DATASTORE_SYSROOT_LOCAL", "METAFLOW_CARD_LOCALROOT")
+    saved = {k: os.environ.get(k) for k in (*env, *unset)}
+    for key in unset:
+        os.environ.pop(key, None)
     os.environ.update(env)  # Runner reads some settings from this process's environment
     try:
         result = run_flow(env, cwd=str(home))
@@ -49,7 +55,8 @@ def default_run(tmp_path_factory):
 
 def card_components(run: dict) -> tuple[int, list[dict]]:
     """The evaluate step's cards (count) and the components of the "evaluation" card, read from its HTML."""
-    proc = subprocess.run([sys.executable, "-c", _CARD_SCRIPT, run["pathspec"]], env={**os.environ, **run["env"]},
+    env = {k: v for k, v in os.environ.items() if k not in ("METAFLOW_DATASTORE_SYSROOT_LOCAL", "METAFLOW_CARD_LOCALROOT")}
+    proc = subprocess.run([sys.executable, "-c", _CARD_SCRIPT, run["pathspec"]], env={**env, **run["env"]},
                           cwd=run["cwd"], capture_output=True, text=True, timeout=300)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("CARD-JSON ")), None)
     assert line, proc.stderr
