@@ -8,6 +8,7 @@ on random volumes, and divides the achieved FLOP/s (analytic FLOPs per sample fr
 ``sfm.model.flops`` / measured step time) by the FLOP/s of a dense 2048^3 float32 matmul measured
 with the same thread count *right before that step*. The machine is shared, so every step is
 paired with its own matmul measurement and the median of the per-step ratios is reported.
+OMP_WAIT_POLICY defaults to PASSIVE, as for training runs (see sfm.launch); set it to compare.
 
 The last line is one JSON object: per config the step time, samples/s, voxels/s, achieved and
 matmul GFLOP/s and the ratio (MFU); ``min_mfu`` over the configs against the goal of 0.5.
@@ -23,6 +24,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# As sfm.launch does for training: idle OpenMP threads sleep instead of spinning. On a shared
+# machine spinning threads take the cores their siblings need, and a training step (thousands of
+# short parallel regions) suffers far more than one long matmul. Must be set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
@@ -86,6 +91,7 @@ def main() -> None:
         rows.append(bench(preset, int(crop), int(batch), args.steps, args.probe_seconds))
     result = {
         "benchmark": "train_cpu_mfu", "dtype": "float32", "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
         "torch": torch.__version__, "steps_per_config": args.steps, "configs": rows,
         "min_mfu": min(r["mfu"] for r in rows), "goal_mfu": GOAL,
         "meets_goal": all(r["mfu"] >= GOAL for r in rows), "seconds": round(time.perf_counter() - t0, 1),

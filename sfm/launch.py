@@ -45,6 +45,10 @@ def launch_node(job: dict[str, Any], *, nodes: int, procs_per_node: int, node_ra
         ]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // procs_per_node)))
+        # idle OpenMP threads sleep rather than spin: on a CPU shared with other work (data loading,
+        # other jobs) spinning threads starve their siblings; measured on 2 busy cores, a CPU training
+        # step ran about 2x faster (benchmarks/train.py, BENCHMARKS.md "Training (issue 5)")
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env["PYTHONUNBUFFERED"] = "1"
         try:
             proc = subprocess.run(cmd, env=env, timeout=timeout_s)
