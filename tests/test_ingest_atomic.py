@@ -67,7 +67,8 @@ def test_sigkill_mid_file_leaves_no_row_and_the_rerun_matches(backend, tmp_path)
     amplitude = cases.volume((96, 96, 384), seed=7)  # 144 brick columns of 8 x 8 traces: time to kill it
     source = backend.source(cases.write(tmp_path / "kill.sgy", amplitude))
     args = [source, "--out", backend.root, "--chunk", "8"]
-    proc = sfm_ingest(*args)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the killed process cannot remove its download of an S3 source
+    proc = sfm_ingest(*args, env=env)
     deadline = time.monotonic() + 180
     while not any("/amplitude/c/" in key for key in store_keys(backend)):  # the first shard is written
         assert proc.poll() is None, f"ingest ended before it could be killed: {proc.communicate()}"
