@@ -1,6 +1,6 @@
 """CPU model-FLOPs utilisation of a full MAE training step (issue 5).
 
-    python benchmarks/train.py [--steps 2] [--threads 0] [--configs small:64:32,small:128:4,base:64:16,base:128:2]
+    python benchmarks/train.py [--steps 3] [--threads 0] [--configs small:64:32,small:128:4,base:64:16,base:128:2]
 
 For each preset:crop:batch, times full training steps exactly as ``sfm.train`` runs them (forward,
 backward, gradient clipping, fused AdamW step; float32 on CPU) through ``sfm.train_step.TrainStep``
@@ -77,7 +77,7 @@ def bench(preset: str, crop: int, batch: int, steps: int, probe_s: float) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per config (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per config (after one warm-up)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="preset:crop:batch list")
     parser.add_argument("--probe-seconds", type=float, default=1.0, help="matmul measurement before each step")
