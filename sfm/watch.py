@@ -22,7 +22,9 @@ One pass (:func:`watch_once`):
 State lives in the data root, so a restarted watcher (or a second one over the same prefix) neither
 misses nor repeats a file: a file is marked ``running`` with the run's tag before the run starts,
 and a watcher that finds a ``running`` survey asks Metaflow whether a run with that tag succeeded
-(then it is ``trained``) or not (then it is retried).
+(then it is ``trained``) or not (then it is retried). Not handled: a watcher killed so abruptly that
+its flow process outlives it and is still training when the lease expires; the next watcher then
+starts a second run over the same survey.
 
 The lease is a claim (:func:`sfm.registry.claim`) holding an expiry time; the holder refreshes it while
 it works, and a watcher that finds it expired takes it over (one taker per expired lease). Watchers
@@ -480,9 +482,16 @@ def watch_once(opts: WatchOptions) -> dict[str, Any]:
 
 
 def watch(opts: WatchOptions, interval_s: float, once: bool = False) -> None:
-    """Pass after pass, ``interval_s`` apart (one pass with ``once``)."""
+    """Pass after pass, ``interval_s`` apart (one pass with ``once``). A pass that fails on a user-fixable
+    problem (an unreachable webhook, a bad config) ends a one-pass watcher; a long-running one logs it
+    and tries again at the next pass."""
     while True:
-        print(json.dumps(watch_once(opts)), flush=True)
+        try:
+            print(json.dumps(watch_once(opts)), flush=True)
+        except SFMError as err:
+            if once:
+                raise
+            log(f"error: {err}; next pass in {interval_s:.0f} s")
         if once:
             return
         time.sleep(interval_s)

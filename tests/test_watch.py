@@ -260,3 +260,21 @@ def test_a_first_survey_waits_for_a_held_out_one(tmp_path, metaflow_env):
     result = watch_once(WatchOptions(landing=str(landing), data_root=str(tmp_path / "data")))
     assert result == {"status": "waiting", "surveys": [str(landing / "first.sgy")]}
     assert not Path(tmp_path, "data", "watch", "lock.json").exists()  # the lease was released
+
+
+def test_init_from_champion_resolves_and_a_wrong_architecture_is_refused(tmp_path):
+    from sfm.model import build_model, mae_config
+    from sfm.model.io import save
+
+    root = str(tmp_path)
+    cfg = JobConfig.from_toml(None, FAST)
+    save(build_model(mae_config("tiny", crop=(32, 32, 32))), str(tmp_path / "export"))
+    registry.register(root, MODEL, str(tmp_path / "export"), config=cfg.to_dict(), metrics={"masked_nmse": 1.0},
+                      lineage={"run_pathspec": "x", "manifest_version": "m0", "code_version": "t", "surveys": []})
+    resolved = pipeline.resolve_init_from(JobConfig.from_toml(None, FAST), "champion", root)
+    assert resolved.train.init_from == registry.version_url(root, MODEL, 1)
+    small = JobConfig.from_toml(None, [*FAST, "model.preset=small"])
+    with pytest.raises(SFMError, match="differs from the job's model in .*embed_dim"):
+        pipeline.resolve_init_from(small, "v1", root)
+    with pytest.raises(SFMError, match="no exported model"):
+        pipeline.resolve_init_from(JobConfig.from_toml(None, FAST), str(tmp_path / "nothing"), root)
