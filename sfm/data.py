@@ -356,6 +356,30 @@ class Crop(NamedTuple):
     flip_crossline: bool = False
     swap: bool = False
 
+    def slab(self, start: int, stop: int) -> "Crop":
+        """The crop whose voxels are rows ``[start, stop)`` (axis 0) of this crop as delivered.
+
+        Row ``r`` of the delivered crop is source inline ``r`` (crossline ``r`` when swapped) from the
+        origin, or the mirrored one ``n - 1 - r`` when that source axis is flipped; so the rows come
+        from one contiguous source range, and the sub-box with the same flips and swap delivers them.
+        """
+        axis = 1 if self.swap else 0
+        n = self.extent[axis]
+        if not 0 <= start < stop <= n:
+            raise ValueError(f"slab [{start}, {stop}) is not a range of rows of a crop with {n}")
+        flipped = self.flip_crossline if self.swap else self.flip_inline
+        lo = n - stop if flipped else start
+        origin, extent = list(self.origin), list(self.extent)
+        origin[axis] += lo
+        extent[axis] = stop - start
+        return self._replace(origin=tuple(origin), extent=tuple(extent))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(D, H, W) of the crop as delivered."""
+        d, h, w = self.extent
+        return (h, d, w) if self.swap else (d, h, w)
+
 
 def brick_tiles(origin: tuple[int, ...], extent: tuple[int, ...], bricks: tuple[int, ...],
                 max_voxels: int | None = None) -> list[tuple[tuple[int, int], ...]]:
@@ -401,12 +425,17 @@ class CropSampler:
         client, retry_seconds: see :func:`open_survey_store`.
         brick_reader: read through :mod:`sfm.bricks` where the store layout allows (a third less CPU
             than zarr's read path); False: always through zarr.
+        slab: ``(start, stop)``: read and return only rows ``[start, stop)`` of axis 0 of each crop
+            as delivered (after flips and swap), [1, stop - start, H, W], fetching only the bricks
+            those rows need. The crops themselves (``locate``) do not change, so the context-parallel
+            ranks of a group, each with its own slab (:func:`sfm.context_parallel.crop_slab`), read
+            disjoint parts of the same crops. None: the whole crop.
     """
 
     def __init__(self, store_urls: list[str], crop: tuple[int, int, int], seed: int = 0,
                  min_live_fraction: float = 0.5, read_threads: int = 8, *, epoch: int = 0, align: str = "voxel",
                  augment: Iterable[str] = (), client: str = "auto", retry_seconds: float = 120.0,
-                 brick_reader: bool = True):
+                 brick_reader: bool = True, slab: tuple[int, int] | None = None):
         if not store_urls:
             raise SFMError("no survey stores to read; ingest at least one survey")
         self.crop = tuple(int(c) for c in crop)
@@ -427,6 +456,13 @@ class CropSampler:
         self.align = align
         self.augment = augment
         self.swap_allowed = "swap" in augment and self.crop[0] == self.crop[1]
+        if slab is not None:
+            slab = (int(slab[0]), int(slab[1]))
+            if not 0 <= slab[0] < slab[1] <= self.crop[0]:
+                raise SFMError(f"slab {list(slab)} is not a range of the crop's {self.crop[0]} inline rows")
+        self.slab = slab
+        # what one read delivers: the slab's rows of the crop, or all of it
+        self.shape = self.crop if slab is None else (slab[1] - slab[0], *self.crop[1:])
         self.client, self.retry_seconds = client, float(retry_seconds)
         self.brick_reader = bool(brick_reader)
         self._stores: list[ResilientStore] = []
@@ -527,12 +563,15 @@ class CropSampler:
 
     # ---- reading -------------------------------------------------------------------------------
     def submit(self, index: int, out: np.ndarray) -> list[Future]:
-        """Start reading sample ``index`` into ``out`` [1, D, H, W] (or [D, H, W]) float32; one future per tile."""
+        """Start reading sample ``index`` (its slab, if set) into ``out`` [1, *shape] (or ``shape``)
+        float32; one future per tile."""
         c = self.locate(index)
+        if self.slab is not None:
+            c = c.slab(*self.slab)
         s = self.surveys[c.survey]
-        if out.size != int(np.prod(self.crop)) or out.dtype != np.float32 or not out.flags.c_contiguous:
-            raise ValueError(f"out must be contiguous float32 holding {self.crop}, got {out.dtype} {out.shape}")
-        view = out.reshape(self.crop)  # a view, since out is contiguous
+        if out.size != int(np.prod(self.shape)) or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be contiguous float32 holding {self.shape}, got {out.dtype} {out.shape}")
+        view = out.reshape(c.shape)  # a view, since out is contiguous
         if c.swap:  # view[i, j, t] addresses the source voxel (origin + (i, j, t))
             view = view.transpose(1, 0, 2)
         view = view[:: -1 if c.flip_inline else 1, :: -1 if c.flip_crossline else 1]
@@ -563,14 +602,14 @@ class CropSampler:
             dst *= s.trace_mask[i0 + a0 : i0 + a1, j0 + b0 : j0 + b1, None]
 
     def read(self, index: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Sample ``index`` as float32 [1, D, H, W], normalised."""
-        out = np.empty((1, *self.crop), dtype=np.float32) if out is None else out
+        """Sample ``index`` as float32 [1, *shape] ([1, D, H, W] without a slab), normalised."""
+        out = np.empty((1, *self.shape), dtype=np.float32) if out is None else out
         _wait(self.submit(index, out))
         return out
 
     def read_many(self, indices: list[int], out: np.ndarray | None = None) -> np.ndarray:
-        """Samples [len(indices), 1, D, H, W], read concurrently."""
-        out = np.empty((len(indices), 1, *self.crop), dtype=np.float32) if out is None else out
+        """Samples [len(indices), 1, *shape], read concurrently."""
+        out = np.empty((len(indices), 1, *self.shape), dtype=np.float32) if out is None else out
         _wait([f for n, i in enumerate(indices) for f in self.submit(i, out[n])])
         return out
 
@@ -599,7 +638,9 @@ def _wait(futures: list[Future]) -> None:
 
 
 class CropDataset(IterableDataset):
-    """One rank's stream of batches, float32 tensors [B, 1, D, H, W] (use ``DataLoader(batch_size=None)``).
+    """One rank's stream of batches, float32 tensors [B, 1, D, H, W] (use ``DataLoader(batch_size=None)``);
+    [B, 1, stop - start, H, W] when the sampler reads a slab. ``rank`` and ``world_size`` are the
+    data-parallel ones: the context-parallel ranks of a group share them and differ in the slab.
 
     Batch ``b`` holds samples ``(b * world_size + rank) * batch_size + [0, batch_size)`` of the
     sampler's ``(seed, epoch)`` stream. Iteration starts at ``start_batch`` and, if ``num_batches``
@@ -649,7 +690,7 @@ class CropDataset(IterableDataset):
         return range(first, self.num_batches, workers)
 
     def _start(self, batch: int, shared: bool) -> tuple[torch.Tensor, list[Future]]:
-        out = torch.empty((self.batch_size, 1, *self.sampler.crop), dtype=torch.float32)
+        out = torch.empty((self.batch_size, 1, *self.sampler.shape), dtype=torch.float32)
         if shared:  # a worker's batch goes to the main process by handle, not by copy
             out.share_memory_()
         arr = out.numpy()
@@ -682,7 +723,8 @@ class CropDataset(IterableDataset):
 
 
 class BatchStream:
-    """``next(stream)`` -> float32 tensor [B, 1, D, H, W], pinned when CUDA is present.
+    """``next(stream)`` -> float32 tensor [B, 1, D, H, W] ([B, 1, stop - start, H, W] for a slab),
+    pinned when CUDA is present.
 
     A DataLoader over a :class:`CropDataset` with ``workers`` processes (0: read in this process on
     the sampler's threads). Workers are started with ``forkserver``: S3 clients (obstore's runtime,
@@ -769,13 +811,16 @@ def _adopt_environment(environ: dict[str, str], worker_id: int) -> None:
 
 
 def training_stream(store_urls: list[str], data_cfg, rank: int = 0, world_size: int = 1,
-                    start_batch: int = 0) -> BatchStream:
-    """The :class:`BatchStream` rank ``rank`` trains on, configured by ``JobConfig.data``."""
+                    start_batch: int = 0, slab: tuple[int, int] | None = None) -> BatchStream:
+    """The :class:`BatchStream` data-parallel rank ``rank`` of ``world_size`` trains on, configured by
+    ``JobConfig.data``. Under context parallelism every cp rank of a dp group passes the group's dp
+    rank and its own ``slab`` (``(s.start, s.stop)`` of :func:`sfm.context_parallel.crop_slab`): the
+    group trains on the same crops, each rank reading only its rows of them."""
     sampler = CropSampler(
         store_urls, tuple(data_cfg.crop), seed=data_cfg.seed, min_live_fraction=data_cfg.min_live_fraction,
         read_threads=data_cfg.read_threads, align=data_cfg.align,
         augment=[a.strip() for a in data_cfg.augment.split(",")], client=data_cfg.client,
-        retry_seconds=data_cfg.retry_seconds,
+        retry_seconds=data_cfg.retry_seconds, slab=slab,
     )
     dataset = CropDataset(sampler, data_cfg.batch_size, rank, world_size, start_batch=start_batch,
                           prefetch=data_cfg.prefetch)
