@@ -66,7 +66,7 @@ def time_steps(preset: str, crop: int, batch: int, *, device: torch.device, comp
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        losses = step(iter([imgs]), 1)
+        losses = step(iter([imgs]), 1).losses
         sync(device)
         times.append(time.perf_counter() - t0)
     assert torch.isfinite(losses).all(), f"non-finite loss for {preset} {crop}^3"

@@ -7,6 +7,11 @@ Layout under a checkpoint root (local or S3)::
     step-000050/rng-rank0.pt         each rank's RNG states
     step-000050/state.json           step, data position, history; written LAST: marks it complete
 
+A sharded checkpoint (FSDP2 strategies) keeps the weights and optimiser state as a
+``torch.distributed.checkpoint`` in ``step-000050/shards/`` (each rank writes its own shards, see
+:func:`sfm.parallelize.save_sharded`) instead of ``model.safetensors`` and the optimiser part of
+``optimizer.pt``; its ``state.json`` says ``"sharded": true``.
+
 A checkpoint without ``state.json`` is incomplete and ignored. Writing one is three moves:
 :func:`begin` (rank 0 clears whatever an earlier attempt left at that step, marker first), then
 :func:`save_rank_rng` on every rank, then :func:`save` on rank 0, which writes ``state.json`` last and
@@ -111,15 +116,25 @@ def save_rank_rng(root: str, step: int, rank: int, generators: dict[str, torch.G
     storage.write_bytes(storage.join(step_dir(root, step), f"rng-rank{rank}.pt"), _tensor_bytes(state))
 
 
-def save(root: str, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict, scheduler_state: dict,
-         meta: dict[str, Any], keep: int = 2) -> str:
-    """Write a checkpoint (rank 0, after every rank called :func:`save_rank_rng`); returns its URL."""
+def shards_url(root: str, step: int) -> str:
+    """Where a sharded checkpoint's ``torch.distributed.checkpoint`` lives."""
+    return storage.join(step_dir(root, step), "shards")
+
+
+def save(root: str, step: int, model_state: dict[str, torch.Tensor] | None, optimizer_state: dict | None,
+         scheduler_state: dict, meta: dict[str, Any], keep: int = 2) -> str:
+    """Write a checkpoint (rank 0, after every rank called :func:`save_rank_rng`); returns its URL.
+
+    ``model_state`` and ``optimizer_state`` None: a sharded checkpoint whose ranks have already
+    written :func:`shards_url` together; this writes the scheduler and the marker."""
     url = step_dir(root, step)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
-    storage.write_bytes(storage.join(url, "model.safetensors"), save_safetensors(tensors))
+    sharded = model_state is None
+    if not sharded:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
+        storage.write_bytes(storage.join(url, "model.safetensors"), save_safetensors(tensors))
     storage.write_bytes(storage.join(url, "optimizer.pt"),
                         _tensor_bytes({"optimizer": optimizer_state, "scheduler": scheduler_state}))
-    storage.write_bytes(storage.join(url, MARKER), json.dumps({"step": step, **meta}).encode())
+    storage.write_bytes(storage.join(url, MARKER), json.dumps({"step": step, "sharded": sharded, **meta}).encode())
     complete = complete_steps(root)
     stale = set(complete[:-keep]) if keep > 0 else set()
     stale |= {s for s in all_steps(root) if s < step and s not in complete}  # partial leftovers of killed saves
@@ -129,9 +144,11 @@ def save(root: str, step: int, model_state: dict[str, torch.Tensor], optimizer_s
 
 
 def load(url: str, rank: int) -> dict[str, Any]:
-    """Read one checkpoint completely (raises if any part is unreadable)."""
+    """Read one checkpoint completely (raises if any part is unreadable). For a sharded one,
+    ``model`` and ``optimizer`` are None and ``shards`` is the URL to load them from, collectively."""
     state = json.loads(storage.read_bytes(storage.join(url, MARKER)))
-    model = load_safetensors(storage.read_bytes(storage.join(url, "model.safetensors")))
+    sharded = bool(state.get("sharded"))
+    model = None if sharded else load_safetensors(storage.read_bytes(storage.join(url, "model.safetensors")))
     opt = _load_tensors(storage.read_bytes(storage.join(url, "optimizer.pt")))
     rng_url = storage.join(url, f"rng-rank{rank}.pt")
     rng = None
@@ -141,7 +158,8 @@ def load(url: str, rank: int) -> dict[str, Any]:
         raw["numpy"] = (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
         raw["python"] = (raw["python"][0], tuple(raw["python"][1]), raw["python"][2])
         rng = raw
-    return {"state": state, "model": model, "optimizer": opt["optimizer"], "scheduler": opt["scheduler"], "rng": rng}
+    return {"state": state, "model": model, "optimizer": opt["optimizer"], "scheduler": opt["scheduler"], "rng": rng,
+            "shards": storage.join(url, "shards") if sharded else None}
 
 
 def load_latest(root: str, rank: int, warn: Callable[[str], None] = log.warning) -> dict[str, Any] | None:

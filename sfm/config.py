@@ -72,7 +72,18 @@ class DistConfig:
     nodes: int = 1
     procs_per_node: int = 1
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
-    timeout_s: int = 300
+    timeout_s: int = 300  # collectives (and rendezvous) fail after this: a dead rank never hangs the job
+    strategy: str = "ddp"  # ddp | fsdp2-zero2 | fsdp2-full | deepspeed-zero2 (GPU, `sfm[deepspeed]`)
+    cp: int = 1  # context-parallel ranks per volume (dp = world size / cp); see sfm.context_parallel
+
+
+@dataclass
+class HealthConfig:
+    max_nonfinite_in_a_row: int = 3  # non-finite loss/grad-norm steps skipped in a row before a rollback
+    max_rollbacks: int = 2  # rollbacks to the last checkpoint before the run is declared diverged
+    step_timeout_s: float = 900.0  # no step finishing for this long: dump stacks, fail the step (retry/resume)
+    first_step_timeout_s: float = 1800.0  # the first step (opening stores, compile) may take longer
+    heartbeat_every_s: float = 30.0  # <run_root>/heartbeat.json, read by `sfm status`
 
 
 @dataclass
@@ -122,6 +133,7 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)

@@ -14,6 +14,7 @@ The job file is JSON: {"config": JobConfig dict, "surveys": [store URLs], "run_r
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import json
@@ -22,13 +23,16 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
-from sfm import checkpoint, storage
+from sfm import checkpoint, parallelize, storage
 from sfm.config import JobConfig
+from sfm.errors import SFMError
+from sfm.health import ROLLBACK, SKIP, Heartbeat, NonFiniteGuard, Watchdog, all_ranks_finite
 from sfm.data import training_stream
 from sfm.hardware import peak_flops
 from sfm.model import build_model, mae_config, train_flops_per_sample
@@ -37,6 +41,7 @@ from sfm.model import save as save_model
 from sfm.train_step import TrainStep, apply_training_options, build_optimizer, lr_at, throughput
 
 log = logging.getLogger("sfm.train")
+STRATEGIES = (*parallelize.STRATEGIES, "deepspeed-zero2")
 
 
 def model_config_for(cfg: JobConfig):
@@ -53,18 +58,97 @@ def schedule(cfg: JobConfig) -> Callable[[int], float]:
     return functools.partial(lr_at, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps)
 
 
+class Layout(NamedTuple):
+    """Where this rank sits in the dp x cp mesh: ranks ``d * cp .. d * cp + cp - 1`` share dp index
+    ``d`` (the same crops; each holds 1/cp of every crop's tokens), so a cp group sits on one node."""
+
+    world: int
+    dp: int
+    cp: int
+    dp_rank: int
+    cp_rank: int
+
+    @classmethod
+    def of(cls, rank: int, world: int, cp: int) -> "Layout":
+        if cp < 1 or world % cp:
+            raise SFMError(f"dist.cp = {cp} does not divide the {world} training processes (nodes x procs per "
+                           "node); choose a cp that divides it")
+        return cls(world, world // cp, cp, rank // cp, rank % cp)
+
+
+def check_parallelism(cfg: JobConfig) -> None:
+    """Refuse a [dist] section no run could train with, before anything starts."""
+    d = cfg.dist
+    if d.strategy not in STRATEGIES:
+        raise SFMError(f"dist.strategy = {d.strategy!r} is not a strategy; use one of {', '.join(STRATEGIES)}")
+    if d.cp < 1:
+        raise SFMError(f"dist.cp = {d.cp} must be at least 1")
+    if d.cp > 1 and d.strategy != "ddp":
+        raise SFMError(f"dist.cp = {d.cp} runs with dist.strategy = ddp (data parallel over the dp x cp mesh); "
+                       f"{d.strategy} with context parallelism is not supported yet")
+    if d.strategy == "deepspeed-zero2":
+        raise SFMError("dist.strategy = deepspeed-zero2 is not available in this release; use fsdp2-zero2 "
+                       "(the same ZeRO-2 sharding through PyTorch FSDP2)")
+    world = d.nodes * d.procs_per_node
+    if world % d.cp:
+        raise SFMError(f"dist.cp = {d.cp} does not divide the {world} training processes ({d.nodes} node(s) x "
+                       f"{d.procs_per_node}); choose a cp that divides it")
+
+
+class Faults:
+    """Faults injected on purpose, to test the run's health handling (``SFM_INJECT_FAULTS``).
+
+    A comma list of ``nan@STEP`` (rank 0's batch of that step becomes NaN: the loss and the
+    gradients turn non-finite) and ``hang@STEP`` (rank 0's data stops before that step, as a hung
+    loader would). Steps count from 1. Each fault fires once per run: a marker under
+    ``<run_root>/faults/`` keeps a rolled-back, retried or resumed attempt from meeting it again.
+    """
+
+    def __init__(self, spec: str, run_root: str, enabled: bool):
+        self.pending: set[tuple[str, int]] = set()
+        self.root = storage.join(run_root, "faults")
+        for item in filter(None, (part.strip() for part in (spec or "").split(","))):
+            kind, _, step = item.partition("@")
+            if kind not in ("nan", "hang") or not step.isdigit():
+                raise SFMError(f"SFM_INJECT_FAULTS item {item!r} is not nan@STEP or hang@STEP")
+            self.pending.add((kind, int(step)))
+        if not enabled:
+            self.pending.clear()
+
+    def _take(self, kind: str, step: int) -> bool:
+        if (kind, step) not in self.pending:
+            return False
+        self.pending.discard((kind, step))
+        marker = storage.join(self.root, f"{kind}@{step}")
+        if storage.exists(marker):
+            return False
+        storage.write_bytes(marker, b"fired\n")
+        return True
+
+    def apply(self, step: int, batch: torch.Tensor) -> torch.Tensor:
+        """``batch`` for training step ``step`` (1-based), faulted if one is due."""
+        if self._take("hang", step):
+            log.warning("injected fault: the data stops before step %d (hang)", step)
+            threading.Event().wait()  # forever: the watchdog ends the process
+        if self._take("nan", step):
+            log.warning("injected fault: NaN batch at step %d", step)
+            return torch.full_like(batch, float("nan"))
+        return batch
+
+
 def train(job: dict[str, Any]) -> dict[str, Any] | None:
     """Run (or continue) one training job; returns the summary on the main process."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
     cfg = JobConfig.from_dict(job["config"])
+    check_parallelism(cfg)
     run_root = job["run_root"]
-    ckpt_root = storage.join(run_root, "ckpt")
     cuda = torch.cuda.is_available()
     precision = cfg.train.mixed_precision if cfg.train.mixed_precision != "auto" else ("bf16" if cuda else "no")
     backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if cuda else "gloo")
-    # under torchrun: one process group over all ranks; run directly: a single process, no group
+    # under torchrun: one process group over all ranks; run directly: a single process, no group.
+    # The timeout bounds every collective: a dead rank fails the others instead of hanging them.
     group = [InitProcessGroupKwargs(backend=backend, timeout=dt.timedelta(seconds=cfg.dist.timeout_s))]
     tb_dir = tempfile.mkdtemp(prefix="sfm-tb-")
     accelerator = Accelerator(
@@ -76,6 +160,35 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
     rank, world = accelerator.process_index, accelerator.num_processes
     main = accelerator.is_main_process
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
+    layout = Layout.of(rank, world, cfg.dist.cp)
+    h = cfg.health
+    watchdog = Watchdog(h.step_timeout_s, first_timeout_s=h.first_step_timeout_s).start()
+    heartbeat = Heartbeat(run_root, every_s=h.heartbeat_every_s, max_steps=cfg.train.max_steps, enabled=main,
+                          world_size=world)
+    guard = NonFiniteGuard(h.max_nonfinite_in_a_row, h.max_rollbacks)
+    faults = Faults(os.environ.get("SFM_INJECT_FAULTS", ""), run_root, enabled=main)
+    try:
+        summary = _train(job, cfg, accelerator, layout, precision, tb_dir, watchdog, heartbeat, guard, faults)
+    except BaseException as err:
+        if main:
+            with contextlib.suppress(Exception):
+                heartbeat.finish(watchdog.last_step or 0, status="failed", error=type(err).__name__)
+        raise
+    finally:
+        watchdog.stop()
+    if main:
+        heartbeat.finish(cfg.train.max_steps, loss=summary["final_loss"], samples_per_s=summary["samples_per_s"],
+                         skipped_nonfinite=guard.skipped, rollbacks=guard.rollbacks)
+    return summary
+
+
+def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_dir: str, watchdog: Watchdog,
+           heartbeat: Heartbeat, guard: NonFiniteGuard, faults: Faults) -> dict[str, Any] | None:
+    run_root = job["run_root"]
+    ckpt_root = storage.join(run_root, "ckpt")
+    rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    strategy = cfg.dist.strategy if world > 1 else "single"
+    sharded = strategy.startswith("fsdp2")
 
     torch.manual_seed(cfg.data.seed)  # identical initial weights on every rank
     mcfg = model_config_for(cfg)
@@ -85,11 +198,31 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
         log.info("initialised from %s", cfg.train.init_from)
     apply_training_options(model, grad_checkpointing=cfg.train.grad_checkpointing, compile=cfg.train.compile)
     model = model.to(accelerator.device)
-    optimizer = build_optimizer(model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=cfg.train.betas)
+
+    # the module the step runs: the model, in a context-parallel shell, under the dp strategy
+    slab = None
+    step_model: torch.nn.Module = model
+    if layout.cp > 1:
+        from sfm.context_parallel import ContextParallelMAE, cp_kept_tokens, crop_slab
+
+        cp_group = _cp_group(layout)
+        slab = crop_slab(mcfg.crop, mcfg.patch, layout.cp_rank, layout.cp)
+        step_model = ContextParallelMAE(model, cp_group, mcfg.crop)
+        tokens = math.prod(c // p for c, p in zip(mcfg.crop, mcfg.patch))
+        kept = cp_kept_tokens(tokens, mcfg.mask_ratio, layout.cp)
+        if main:
+            log.info("context parallel: dp %d x cp %d; each rank reads inline voxels [%d, %d) of every crop and "
+                     "holds 1/%d of its %d tokens; %d kept tokens, effective mask ratio %.4f (configured %.4f)",
+                     layout.dp, layout.cp, slab.start, slab.stop, layout.cp, tokens, kept, 1 - kept / tokens,
+                     mcfg.mask_ratio)
+    if world > 1:
+        step_model = parallelize.apply_strategy(step_model, cfg.dist.strategy,
+                                                units=parallelize.sharding_units(model))
+    optimizer = build_optimizer(step_model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                                betas=cfg.train.betas)
     lr_of_step = schedule(cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_of_step(s) / cfg.train.lr)
     # the scheduler is stepped by hand once per optimiser step, whatever the world size
-    model, optimizer = accelerator.prepare(model, optimizer)
     rank_seed = cfg.data.seed * 1000 + 17 + rank
     torch.manual_seed(rank_seed)
     # MAE masks come from a generator of their own (different on each rank, saved with every
@@ -97,36 +230,66 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
     # differ between a run and its resumption, and must not shift the masks.
     mask_rng = torch.Generator(device=accelerator.device).manual_seed(rank_seed)
 
+    def load_checkpoint() -> dict[str, Any] | None:
+        """The newest checkpoint all ranks can read, loaded into the model, optimiser and scheduler."""
+        if sharded:
+            ckpt = _load_agreed_sharded(accelerator, ckpt_root, step_model, optimizer)
+        else:
+            ckpt = _load_agreed_checkpoint(accelerator, ckpt_root)
+            if ckpt is not None:
+                if ckpt["model"] is None:
+                    raise SFMError(f"checkpoint {ckpt['url']} is sharded (an fsdp2 run); resume it with the "
+                                   "same dist.strategy on more than one process")
+                model.load_state_dict(ckpt["model"])
+                optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt is not None:
+            scheduler.load_state_dict(ckpt["scheduler"])
+        return ckpt
+
     micro_batches = max(1, cfg.train.grad_accum)
     start_step, history, data_state = 0, [], None
-    resumed = _load_agreed_checkpoint(accelerator, ckpt_root)
+    resumed = load_checkpoint()
     if resumed is not None:
-        accelerator.unwrap_model(model).load_state_dict(resumed["model"])
-        optimizer.load_state_dict(resumed["optimizer"])
-        scheduler.load_state_dict(resumed["scheduler"])
         start_step = int(resumed["state"]["step"])
         history = resumed["state"]["history"]
         data_state = resumed["state"].get("data")
+        guard.load_state_dict(resumed["state"].get("health", {}))
         log.info("resumed from %s at step %d", resumed["url"], start_step)
     elif main:
         storage.write_bytes(storage.join(run_root, "job_config.json"), cfg.to_json().encode())
 
-    stream = training_stream(job["surveys"], cfg.data, rank=rank, world_size=world,
-                             start_batch=start_step * micro_batches)
-    if data_state is not None and data_state.get("world_size") == world:
+    # the cp ranks of a dp group draw the same crops; each reads only its inline slab of them
+    on_slab = {"slab": (slab.start, slab.stop)} if slab is not None else {}
+    stream = training_stream(job["surveys"], cfg.data, rank=layout.dp_rank, world_size=layout.dp,
+                             start_batch=start_step * micro_batches, **on_slab)
+    if data_state is not None and data_state.get("world_size") == layout.dp:
         stream.load_state_dict(data_state)  # the data position saved with the checkpoint
-    batches = (b.to(accelerator.device, non_blocking=True) for b in stream)
+    current = {"step": start_step + 1}  # the step the next batch is for (faults are keyed on it)
+    batches = (faults.apply(current["step"], b).to(accelerator.device, non_blocking=True) for b in stream)
+
+    def all_finite(losses: torch.Tensor, norm: torch.Tensor) -> bool:
+        reduce = (lambda t: accelerator.reduce(t, "sum")) if world > 1 else None
+        return all_ranks_finite(losses, norm, reduce=reduce)
+
     train_step = TrainStep(
-        model, optimizer, scheduler, grad_clip=cfg.train.grad_clip, autocast=accelerator.autocast,
-        no_sync=(lambda: accelerator.no_sync(model)) if world > 1 else None,
-        backward=accelerator.backward, clip_grad_norm=accelerator.clip_grad_norm_, generator=mask_rng,
+        step_model, optimizer, scheduler, grad_clip=cfg.train.grad_clip, autocast=accelerator.autocast,
+        no_sync=(lambda: parallelize.no_sync(step_model)) if world > 1 else None, backward=accelerator.backward,
+        clip_grad_norm=lambda _params, max_norm: parallelize.clip_grad_norm(step_model, max_norm),
+        check_finite=all_finite, generator=mask_rng,
     )
     flops_per_sample = train_flops_per_sample(mcfg)
     peak = peak_flops(accelerator.device, torch.bfloat16 if precision == "bf16" else torch.float32)
-    samples_per_step = micro_batches * cfg.data.batch_size * world
-    accelerator.init_trackers("sfm-pretrain", config={"preset": cfg.model.preset, "world_size": world})
+    samples_per_step = micro_batches * cfg.data.batch_size * layout.dp  # the cp ranks of a group share samples
+    accelerator.init_trackers("sfm-pretrain", config={"preset": cfg.model.preset, "world_size": world,
+                                                      "strategy": strategy, "cp": layout.cp})
     if resumed is not None and resumed["rng"] is not None:
         checkpoint.set_rng_state(resumed["rng"], {"mask": mask_rng})
+
+    def save(done: int) -> None:
+        _save_checkpoint(accelerator, model, step_model, optimizer, scheduler, ckpt_root, done,
+                         {"data": stream.state_dict(), "history": history, "health": guard.state_dict(),
+                          "strategy": strategy, "world_size": world, "cp": layout.cp},
+                         cfg.train.keep_checkpoints, {"mask": mask_rng}, sharded)
 
     from tqdm import tqdm
 
@@ -135,17 +298,45 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
     pending: list[torch.Tensor] = []  # mean loss of each step since history was last written
     t_start = time.perf_counter()
     t_window, steps_in_window, paused = t_start, 0, 0.0
+    step = start_step
     try:
-        for step in range(start_step, cfg.train.max_steps):
-            pending.append(train_step(batches, micro_batches).mean())
+        while step < cfg.train.max_steps:
+            current["step"] = step + 1
+            result = train_step(batches, micro_batches)
+            verdict = guard.observe(result.applied)
+            if verdict == ROLLBACK:
+                t_roll = time.perf_counter()
+                pending.clear()
+                back = load_checkpoint()
+                if back is None:
+                    raise SFMError(f"{guard.consecutive} non-finite steps in a row before the first checkpoint; "
+                                   "lower train.lr or raise train.warmup_steps, or checkpoint sooner "
+                                   "(train.checkpoint_every)")
+                guard.rolled_back()
+                log.warning("rolled back to %s after %d non-finite steps in a row (rollback %d of %d); the data "
+                            "stream continues past the bad batches", back["url"], guard.max_consecutive,
+                            guard.rollbacks, guard.max_rollbacks)
+                step = int(back["state"]["step"])
+                history = back["state"]["history"]
+                bar.reset(total=cfg.train.max_steps)
+                bar.update(step)
+                watchdog.progress(step)
+                paused += time.perf_counter() - t_roll
+                continue
+            if verdict == SKIP:
+                log.warning("step %d: non-finite loss or gradient norm (losses %s, grad norm %s); update skipped "
+                            "(%d in a row, %d in this run)", step + 1, result.losses.tolist(),
+                            float(result.grad_norm), guard.consecutive, guard.skipped)
+            step += 1
+            watchdog.progress(step)
+            pending.append(result.losses.mean())
             steps_in_window += 1
-            done = step + 1
-            last = done == cfg.train.max_steps
-            log_now = done % cfg.train.log_every == 0 or last
-            save_now = done % cfg.train.checkpoint_every == 0 or last
+            last = step == cfg.train.max_steps
+            log_now = step % cfg.train.log_every == 0 or last
+            save_now = step % cfg.train.checkpoint_every == 0 or last
             if log_now or save_now:  # a checkpoint holds the loss of every step before it
                 step_losses = accelerator.reduce(torch.stack(pending), "mean").tolist()
-                history.extend({"step": done - len(step_losses) + i + 1, "loss": v} for i, v in enumerate(step_losses))
+                history.extend({"step": step - len(step_losses) + i + 1, "loss": v} for i, v in enumerate(step_losses))
                 pending.clear()
             if log_now:
                 speed = throughput(samples=steps_in_window * samples_per_step,
@@ -153,17 +344,18 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
                                    voxels_per_sample=math.prod(cfg.data.crop), peak_flops=peak, devices=world)
                 metrics = {"loss": history[-1]["loss"], "lr": scheduler.get_last_lr()[0], **speed}
                 history[-1].update(metrics)
-                accelerator.log(metrics, step=done)
+                accelerator.log(metrics, step=step)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
                                 sps=f"{speed['samples_per_s']:.1f}", vox=f"{speed['voxels_per_s'] / 1e6:.1f}M",
                                 mfu=f"{speed['mfu']:.1%}")
+                heartbeat.beat(step, loss=metrics["loss"], samples_per_s=speed["samples_per_s"],
+                               skipped_nonfinite=guard.skipped, rollbacks=guard.rollbacks)
                 t_window, steps_in_window, paused = time.perf_counter(), 0, 0.0
             bar.update(1)
             if save_now:
                 t_save = time.perf_counter()
-                _save_checkpoint(accelerator, model, optimizer, scheduler, ckpt_root, done,
-                                 {"data": stream.state_dict(), "history": history}, cfg.train.keep_checkpoints,
-                                 {"mask": mask_rng})
+                save(step)
+                watchdog.progress(step)
                 paused += time.perf_counter() - t_save
     finally:
         bar.close()
@@ -171,30 +363,89 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
 
     summary = None
     steps_run = cfg.train.max_steps - start_step
+    final_url = storage.join(run_root, "final")
+    export = model
+    if sharded:  # a collective: rank 0 gathers the full weights into a plain model
+        full = parallelize.full_state_dict(step_model)
+        if main:
+            export = build_model(mcfg)
+            export.load_state_dict(full)
     if main:
-        final_url = storage.join(run_root, "final")
-        save_model(accelerator.unwrap_model(model), final_url, {"job": cfg.to_dict()})
+        save_model(export, final_url, {"job": cfg.to_dict()})
         elapsed = time.perf_counter() - t_start
         tail = [h for h in history if "samples_per_s" in h]
         summary = {
             "steps": cfg.train.max_steps, "steps_this_attempt": steps_run, "resumed_from_step": start_step,
-            "world_size": world, "initial_loss": history[0]["loss"] if history else None,
+            "world_size": world, "strategy": strategy, "dp": layout.dp, "cp": layout.cp,
+            "initial_loss": history[0]["loss"] if history else None,
             "final_loss": history[-1]["loss"] if history else None, "history": history,
             "samples_per_s": tail[-1]["samples_per_s"] if tail else None,
             "voxels_per_s": tail[-1]["voxels_per_s"] if tail else None,
             "mfu": tail[-1]["mfu"] if tail else None, "mfu_peak_flops": peak, "model_url": final_url,
             "seconds": elapsed, "flops_per_sample": flops_per_sample,
+            "health": {"skipped_nonfinite": guard.skipped, "rollbacks": guard.rollbacks},
             "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         }
         storage.write_bytes(storage.join(run_root, "summary.json"), json.dumps(summary, indent=1).encode())
-        print(f"sfm train: {steps_run} steps ({start_step}->{cfg.train.max_steps}) on {world} rank(s) in "
-              f"{elapsed:.1f}s, loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}, "
-              f"{summary['samples_per_s'] or 0:.1f} samples/s, MFU {summary['mfu'] or 0:.1%}", file=sys.stderr)
+        print(f"sfm train: {steps_run} steps ({start_step}->{cfg.train.max_steps}) on {world} rank(s) "
+              f"({strategy}, dp {layout.dp} x cp {layout.cp}) in {elapsed:.1f}s, loss {summary['initial_loss']:.4f} "
+              f"-> {summary['final_loss']:.4f}, {summary['samples_per_s'] or 0:.1f} samples/s, "
+              f"MFU {summary['mfu'] or 0:.1%}", file=sys.stderr)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # flushes the trackers and ends the process group
     if main:
         storage.upload(tb_dir, storage.join(run_root, "tensorboard"))
     return summary
+
+
+def _cp_group(layout: Layout):
+    """This rank's context-parallel group (every rank creates every group, in the same order)."""
+    import torch.distributed as dist
+
+    mine = None
+    for d in range(layout.dp):
+        group = dist.new_group(list(range(d * layout.cp, (d + 1) * layout.cp)))
+        if d == layout.dp_rank:
+            mine = group
+    return mine
+
+
+def _all_ranks(accelerator, ok: bool) -> bool:
+    """True when ``ok`` holds on every rank (a collective)."""
+    if accelerator.num_processes == 1:
+        return ok
+    flag = torch.tensor([0.0 if ok else 1.0], device=accelerator.device)
+    torch.distributed.all_reduce(flag)
+    return flag.item() == 0
+
+
+def _load_agreed_sharded(accelerator, root: str, step_model, optimizer) -> dict[str, Any] | None:
+    """The newest sharded checkpoint every rank can read, loaded into ``step_model`` and ``optimizer``
+    (collectively); unreadable ones are passed over with a warning, as in the unsharded case."""
+    steps = [checkpoint.complete_steps(root) if accelerator.is_main_process else None]
+    torch.distributed.broadcast_object_list(steps, src=0)
+    for step in reversed(steps[0]):
+        url = checkpoint.step_dir(root, step)
+        ckpt, why = None, ""
+        try:
+            ckpt = checkpoint.load(url, accelerator.process_index)
+            if ckpt["shards"] is None:
+                why = "it was written by an unsharded strategy"
+        except Exception as err:
+            why = f"{type(err).__name__}: {err}"
+        if not _all_ranks(accelerator, not why):
+            log.warning("checkpoint %s is unreadable here or on another rank (%s); falling back to an earlier one",
+                        url, why or "another rank")
+            continue
+        try:
+            parallelize.load_sharded(ckpt["shards"], step_model, optimizer)
+        except Exception as err:
+            why = f"{type(err).__name__}: {err}"
+        if _all_ranks(accelerator, not why):
+            ckpt["url"] = url
+            return ckpt
+        log.warning("sharded checkpoint %s cannot be loaded (%s); falling back to an earlier one", url, why)
+    return None
 
 
 def _load_agreed_checkpoint(accelerator, root: str) -> dict[str, Any] | None:
@@ -216,24 +467,28 @@ def _load_agreed_checkpoint(accelerator, root: str) -> dict[str, Any] | None:
     return ckpt
 
 
-def _save_checkpoint(accelerator, model, optimizer, scheduler, root: str, step: int, meta: dict, keep: int,
-                     generators: dict[str, torch.Generator]) -> None:
-    """Rank 0 clears the step's folder, every rank writes its RNG state, then rank 0 writes the rest
-    and marks the checkpoint complete (see sfm.checkpoint)."""
+def _save_checkpoint(accelerator, model, step_model, optimizer, scheduler, root: str, step: int, meta: dict,
+                     keep: int, generators: dict[str, torch.Generator], sharded: bool) -> None:
+    """Rank 0 clears the step's folder, every rank writes its RNG state (and, sharded, its shards of
+    the weights and optimiser state), then rank 0 writes the rest and marks the checkpoint complete
+    (see sfm.checkpoint)."""
     if accelerator.is_main_process:
         checkpoint.begin(root, step)
     accelerator.wait_for_everyone()
     checkpoint.save_rank_rng(root, step, accelerator.process_index, generators)
+    if sharded:
+        parallelize.save_sharded(checkpoint.shards_url(root, step), step_model, optimizer)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        checkpoint.save(root, step, accelerator.unwrap_model(model).state_dict(), optimizer.state_dict(),
-                        scheduler.state_dict(), meta, keep=keep)
+        if sharded:
+            checkpoint.save(root, step, None, None, scheduler.state_dict(), meta, keep=keep)
+        else:
+            checkpoint.save(root, step, model.state_dict(), optimizer.state_dict(), scheduler.state_dict(), meta,
+                            keep=keep)
     accelerator.wait_for_everyone()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sfm.errors import SFMError
-
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m sfm.train JOB.json", file=sys.stderr)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, ContextManager, Iterable
+from typing import Callable, ContextManager, Iterable, NamedTuple
 
 import torch
 
@@ -59,17 +59,32 @@ def apply_training_options(model: MaskedAutoencoder3D, *, grad_checkpointing: bo
     return model
 
 
+class StepResult(NamedTuple):
+    """What one optimiser step did: ``losses`` [micro-batches] float32, the gradient norm before
+    clipping (a 0-d tensor; inf/NaN when the gradients are not finite), and whether the update was
+    applied (False: skipped because ``check_finite`` said no)."""
+
+    losses: torch.Tensor
+    grad_norm: torch.Tensor
+    applied: bool
+
+
 class TrainStep:
     """One optimiser step: ``micro_batches`` forward/backward passes (gradients accumulated), then
     gradient clipping, ``optimizer.step()`` and ``scheduler.step()``.
 
-    The hooks default to plain PyTorch; ``sfm.train`` passes Accelerate's (``accelerator.backward``,
-    ``accelerator.clip_grad_norm_``, ``accelerator.autocast``, ``accelerator.no_sync``), so the same
-    step runs under DDP or FSDP and on a bare device.
+    The hooks default to plain PyTorch; ``sfm.train`` passes its own (Accelerate's ``backward`` and
+    ``autocast``, the strategy's ``no_sync`` and global-norm clipping), so the same step runs under
+    DDP, FSDP2 or context parallelism and on a bare device.
 
     Args:
         autocast: context for the forward pass, e.g. ``lambda: torch.autocast("cuda", torch.bfloat16)``.
         no_sync: context that skips the gradient all-reduce on all but the last micro-batch.
+        clip_grad_norm: ``(parameters, max_norm) -> norm before clipping``; called every step (with
+            ``max_norm=inf`` when ``grad_clip`` is 0) so the norm is always known.
+        check_finite: ``(losses, grad_norm) -> bool``, the same answer on every rank; False skips the
+            update (gradients dropped, optimiser untouched; the scheduler still advances, so the
+            learning rate stays a function of the step number).
         generator: the RNG the MAE masks are drawn from (default: torch's global one); save its
             state with a checkpoint to resume exactly.
     """
@@ -80,6 +95,7 @@ class TrainStep:
                  no_sync: Callable[[], ContextManager] | None = None,
                  backward: Callable[[torch.Tensor], None] | None = None,
                  clip_grad_norm: Callable[..., torch.Tensor] | None = None,
+                 check_finite: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
                  generator: torch.Generator | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.generator = generator
@@ -87,10 +103,10 @@ class TrainStep:
         self.autocast, self.no_sync = autocast, no_sync
         self.backward = backward or (lambda loss: loss.backward())
         self.clip_grad_norm = clip_grad_norm or torch.nn.utils.clip_grad_norm_
+        self.check_finite = check_finite
 
-    def __call__(self, micro_batches: Iterable[torch.Tensor], count: int) -> torch.Tensor:
-        """Train on ``count`` micro-batches ``[B, C, D, H, W]`` drawn from ``micro_batches``;
-        returns their losses ``[count]`` (float32, detached)."""
+    def __call__(self, micro_batches: Iterable[torch.Tensor], count: int) -> StepResult:
+        """Train on ``count`` micro-batches ``[B, C, D, H, W]`` drawn from ``micro_batches``."""
         losses = []
         batches = iter(micro_batches)
         for i in range(count):
@@ -102,13 +118,16 @@ class TrainStep:
                     loss, _, _ = self.model(imgs, generator=self.generator)
                 self.backward(loss / count)
             losses.append(loss.detach().float())
-        if self.grad_clip > 0:
-            self.clip_grad_norm(self.model.parameters(), self.grad_clip)
-        self.optimizer.step()
+        losses_t = torch.stack(losses)
+        norm = self.clip_grad_norm(self.model.parameters(), self.grad_clip if self.grad_clip > 0 else math.inf)
+        norm = torch.as_tensor(norm, dtype=torch.float32).detach()
+        applied = self.check_finite(losses_t, norm) if self.check_finite is not None else True
+        if applied:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
-        return torch.stack(losses)
+        return StepResult(losses_t, norm, bool(applied))
 
 
 def throughput(*, samples: int, seconds: float, flops_per_sample: float, voxels_per_sample: int,

@@ -159,7 +159,7 @@ def _mae_case(crop, group, checkpointing=False, ddp_group=None, generator=False)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         grads = {}
         opt.register_step_pre_hook(lambda *_: grads.update({n: p.grad.clone() for n, p in model.named_parameters()}))
-        losses = TrainStep(wrapped, opt, generator=gen)([slab], 1)  # DDP averages over both ranks
+        losses = TrainStep(wrapped, opt, generator=gen)([slab], 1).losses  # DDP averages over both ranks
         for name, p in model.named_parameters():
             p.grad = grads[name]
         out = CPLoss(None, losses[0], K, 1 - K / L)  # (kept and ratio are checked in the other cases)

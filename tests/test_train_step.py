@@ -64,11 +64,13 @@ def test_step_trains_clips_and_schedules():
 
     def clip(params, max_norm):
         norms.append(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return norms[-1]
 
     step = TrainStep(model, opt, sched, grad_clip=0.5, clip_grad_norm=clip)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    losses = step(iter([volumes(2)]), 1)
-    assert losses.shape == (1,) and torch.isfinite(losses).all()
+    result = step(iter([volumes(2)]), 1)
+    assert result.losses.shape == (1,) and torch.isfinite(result.losses).all() and result.applied
+    assert result.grad_norm.item() == pytest.approx(norms[0].item())
     assert len(norms) == 1 and max_abs_diff(model.state_dict(), before) > 0
     assert all(p.grad is None for p in model.parameters())  # zeroed (set to None) after the step
     assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == pytest.approx(1e-3)
@@ -83,7 +85,7 @@ def test_accumulating_micro_batches_equals_one_big_batch():
         model = tiny()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         step = TrainStep(model, opt, generator=torch.Generator().manual_seed(3))
-        losses = step(iter(x.chunk(chunks)), chunks)
+        losses = step(iter(x.chunk(chunks)), chunks).losses
         results.append((losses.mean(), {k: v.clone() for k, v in model.state_dict().items()}))
     (loss1, w1), (loss2, w2) = results
     assert loss1.item() == pytest.approx(loss2.item(), rel=1e-5)
@@ -97,11 +99,36 @@ def test_masks_come_from_the_step_generator_not_the_global_rng():
         model = tiny()
         torch.manual_seed(global_seed)  # whatever else draws from the global RNG does not matter
         step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), generator=torch.Generator().manual_seed(7))
-        runs.append([step(iter([x]), 1).item() for _ in range(2)])
+        runs.append([step(iter([x]), 1).losses.item() for _ in range(2)])
     assert runs[0] == runs[1]
     model = tiny()
     other = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), generator=torch.Generator().manual_seed(8))
-    assert other(iter([x]), 1).item() != runs[0][0]
+    assert other(iter([x]), 1).losses.item() != runs[0][0]
+
+
+def test_a_non_finite_step_is_skipped_and_the_schedule_still_advances():
+    """check_finite sees the losses and the gradient norm; a NaN batch leaves weights and optimiser
+    state untouched, drops the gradients, and the next finite step trains as usual."""
+    model = tiny()
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    seen = []
+
+    def check(losses, norm):
+        seen.append((losses.clone(), norm.clone()))
+        return bool(torch.isfinite(losses).all() and torch.isfinite(norm))
+
+    step = TrainStep(model, opt, sched, grad_clip=1.0, check_finite=check)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = volumes(2)
+    bad[0, 0, 0, 0, 0] = float("nan")
+    result = step(iter([bad]), 1)
+    assert not result.applied and not torch.isfinite(result.grad_norm)
+    assert max_abs_diff(model.state_dict(), before) == 0 and not opt.state
+    assert all(p.grad is None for p in model.parameters()) and sched.last_epoch == 1
+    result = step(iter([volumes(2)]), 1)
+    assert result.applied and torch.isfinite(result.grad_norm) and max_abs_diff(model.state_dict(), before) > 0
+    assert len(seen) == 2
 
 
 @pytest.mark.timeout(300)
