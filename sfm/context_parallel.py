@@ -252,12 +252,12 @@ def _run_blocks(model: nn.Module, blocks: nn.ModuleList, x: torch.Tensor) -> tor
     return x
 
 
-def _shared_mask(model: nn.Module, N: int, L: int, K: int, device, group, generator):
+def _shared_mask(model: nn.Module, N: int, L: int, K: int, device, group, generator, noise=None):
     """The random mask as ``model.random_masking`` draws it, taken from cp rank 0.
 
     -> ids_keep [N, K] (kept token ids in shuffle order), mask [N, L] bool (True: removed)."""
     index = torch.arange(L, device=device).expand(N, L).unsqueeze(-1)  # tokens stand in for themselves
-    kept, _, ids_restore = model.random_masking(index, mask_ratio_for_kept(L, K), generator)
+    kept, _, ids_restore = model.random_masking(index, mask_ratio_for_kept(L, K), generator, noise)
     if kept.shape[1] != K:
         raise RuntimeError(f"random_masking kept {kept.shape[1]} tokens, expected {K}")
     ids_restore = ids_restore.contiguous()
@@ -267,7 +267,8 @@ def _shared_mask(model: nn.Module, N: int, L: int, K: int, device, group, genera
 
 
 def cp_forward_loss(model: nn.Module, slab: torch.Tensor, crop, group: dist.ProcessGroup | None = None,
-                    mask_ratio: float | None = None, generator: torch.Generator | None = None) -> CPLoss:
+                    mask_ratio: float | None = None, generator: torch.Generator | None = None,
+                    noise: torch.Tensor | None = None) -> CPLoss:
     """One MAE forward and loss on a volume batch split across the cp ``group``.
 
     model: a :class:`~sfm.model.MaskedAutoencoder3D` after :func:`apply_context_parallel`.
@@ -277,6 +278,7 @@ def cp_forward_loss(model: nn.Module, slab: torch.Tensor, crop, group: dist.Proc
     mask_ratio: defaults to ``model.cfg.mask_ratio``; adjusted by :func:`cp_kept_tokens`.
     generator: the RNG the mask noise is drawn from, as in ``model(imgs, generator=...)``; every
         cp rank draws, cp rank 0's mask is used.
+    noise: [N, L] mask noise instead of drawing it (``model(imgs, noise=...)``); cp rank 0's is used.
 
     Backward of ``loss`` on every cp rank, then summing parameter gradients over the group
     (:func:`all_reduce_grads`), gives the single-rank gradients of the same crop and mask.
@@ -293,7 +295,7 @@ def cp_forward_loss(model: nn.Module, slab: torch.Tensor, crop, group: dist.Proc
     grid = tuple(c // p for c, p in zip(crop, cfg.patch))
     L = math.prod(grid)
     K = cp_kept_tokens(L, cfg.mask_ratio if mask_ratio is None else mask_ratio, cp)
-    ids_keep, mask = _shared_mask(model, N, L, K, slab.device, group, generator)
+    ids_keep, mask = _shared_mask(model, N, L, K, slab.device, group, generator, noise)
 
     data_b = [crop_slab(crop, cfg.patch, r, cp).tokens[0] for r in range(cp)] + [L]
     enc_b, dec_b = shard_bounds(K + 1, cp), shard_bounds(L + 1, cp)
@@ -396,7 +398,7 @@ class ContextParallelMAE(nn.Module):
         self.group, self.crop = group, tuple(int(c) for c in crop)
 
     def forward(self, slab: torch.Tensor, mask_ratio: float | None = None,
-                generator: torch.Generator | None = None):
-        out = cp_forward_loss(self.mae, slab, self.crop, self.group, mask_ratio, generator)
+                generator: torch.Generator | None = None, noise: torch.Tensor | None = None):
+        out = cp_forward_loss(self.mae, slab, self.crop, self.group, mask_ratio, generator, noise)
         term = out.loss * dist.get_world_size(self.group)
         return term + (out.value - term).detach(), None, out

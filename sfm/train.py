@@ -202,13 +202,13 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
     # the module the step runs: the model, in a context-parallel shell, under the dp strategy
     slab = None
     step_model: torch.nn.Module = model
+    tokens = math.prod(c // p for c, p in zip(mcfg.crop, mcfg.patch))  # patches per crop
     if layout.cp > 1:
         from sfm.context_parallel import ContextParallelMAE, cp_kept_tokens, crop_slab
 
         cp_group = _cp_group(layout)
         slab = crop_slab(mcfg.crop, mcfg.patch, layout.cp_rank, layout.cp)
         step_model = ContextParallelMAE(model, cp_group, mcfg.crop)
-        tokens = math.prod(c // p for c, p in zip(mcfg.crop, mcfg.patch))
         kept = cp_kept_tokens(tokens, mcfg.mask_ratio, layout.cp)
         if main:
             log.info("context parallel: dp %d x cp %d; each rank reads inline voxels [%d, %d) of every crop and "
@@ -223,12 +223,7 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
     lr_of_step = schedule(cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_of_step(s) / cfg.train.lr)
     # the scheduler is stepped by hand once per optimiser step, whatever the world size
-    rank_seed = cfg.data.seed * 1000 + 17 + rank
-    torch.manual_seed(rank_seed)
-    # MAE masks come from a generator of their own (different on each rank, saved with every
-    # checkpoint): the data loader's workers and libraries draw from the global RNG at times that
-    # differ between a run and its resumption, and must not shift the masks.
-    mask_rng = torch.Generator(device=accelerator.device).manual_seed(rank_seed)
+    torch.manual_seed(cfg.data.seed * 1000 + 17 + rank)
 
     def load_checkpoint() -> dict[str, Any] | None:
         """The newest checkpoint all ranks can read, loaded into the model, optimiser and scheduler."""
@@ -264,8 +259,25 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
                              start_batch=start_step * micro_batches, **on_slab)
     if data_state is not None and data_state.get("world_size") == layout.dp:
         stream.load_state_dict(data_state)  # the data position saved with the checkpoint
-    current = {"step": start_step + 1}  # the step the next batch is for (faults are keyed on it)
-    batches = (faults.apply(current["step"], b).to(accelerator.device, non_blocking=True) for b in stream)
+    current = {"step": start_step + 1, "batch": 0}  # the step the next batch is for (faults are keyed on it)
+
+    def feed():
+        for batch in stream:
+            current["batch"] = stream.batch - 1  # this rank's batch number in the data stream
+            yield faults.apply(current["step"], batch).to(accelerator.device, non_blocking=True)
+
+    batches = feed()
+    noise_gen = torch.Generator(device=accelerator.device)
+
+    def mask_noise(_micro: int, imgs: torch.Tensor) -> torch.Tensor:
+        """The MAE mask noise [N, L] of this rank's share of the global batch at the stream's position:
+        every rank draws the whole dp batch's noise from one seed and keeps its rows, so masks depend on
+        the samples, not on the number of ranks (a 2-rank run equals a 1-rank run with the same global
+        batch) or on any RNG state (a resumed run continues exactly). cp ranks share their rows."""
+        n = imgs.shape[0]
+        noise_gen.manual_seed((cfg.data.seed * 1_000_003 + current["batch"]) % (2**63))
+        every = torch.rand(layout.dp * n, tokens, generator=noise_gen, device=accelerator.device)
+        return every[layout.dp_rank * n:(layout.dp_rank + 1) * n]
 
     def all_finite(losses: torch.Tensor, norm: torch.Tensor) -> bool:
         reduce = (lambda t: accelerator.reduce(t, "sum")) if world > 1 else None
@@ -275,7 +287,7 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
         step_model, optimizer, scheduler, grad_clip=cfg.train.grad_clip, autocast=accelerator.autocast,
         no_sync=(lambda: parallelize.no_sync(step_model)) if world > 1 else None, backward=accelerator.backward,
         clip_grad_norm=lambda _params, max_norm: parallelize.clip_grad_norm(step_model, max_norm),
-        check_finite=all_finite, generator=mask_rng,
+        check_finite=all_finite, mask_noise=mask_noise,
     )
     flops_per_sample = train_flops_per_sample(mcfg)
     peak = peak_flops(accelerator.device, torch.bfloat16 if precision == "bf16" else torch.float32)
@@ -283,13 +295,13 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
     accelerator.init_trackers("sfm-pretrain", config={"preset": cfg.model.preset, "world_size": world,
                                                       "strategy": strategy, "cp": layout.cp})
     if resumed is not None and resumed["rng"] is not None:
-        checkpoint.set_rng_state(resumed["rng"], {"mask": mask_rng})
+        checkpoint.set_rng_state(resumed["rng"])
 
     def save(done: int) -> None:
         _save_checkpoint(accelerator, model, step_model, optimizer, scheduler, ckpt_root, done,
                          {"data": stream.state_dict(), "history": history, "health": guard.state_dict(),
                           "strategy": strategy, "world_size": world, "cp": layout.cp},
-                         cfg.train.keep_checkpoints, {"mask": mask_rng}, sharded)
+                         cfg.train.keep_checkpoints, sharded)
 
     from tqdm import tqdm
 
@@ -370,6 +382,7 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
         if main:
             export = build_model(mcfg)
             export.load_state_dict(full)
+    digests = _replica_digests(model) if world > 1 and not sharded else None  # a collective
     if main:
         save_model(export, final_url, {"job": cfg.to_dict()})
         elapsed = time.perf_counter() - t_start
@@ -384,6 +397,7 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
             "mfu": tail[-1]["mfu"] if tail else None, "mfu_peak_flops": peak, "model_url": final_url,
             "seconds": elapsed, "flops_per_sample": flops_per_sample,
             "health": {"skipped_nonfinite": guard.skipped, "rollbacks": guard.rollbacks},
+            "rank_weight_digests": digests,  # replicated strategies: one per rank, all equal
             "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         }
         storage.write_bytes(storage.join(run_root, "summary.json"), json.dumps(summary, indent=1).encode())
@@ -396,6 +410,20 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
     if main:
         storage.upload(tb_dir, storage.join(run_root, "tensorboard"))
     return summary
+
+
+def _replica_digests(model: torch.nn.Module) -> list[str]:
+    """sha256 of each rank's full weights, gathered from every rank (a collective): replicas that
+    drifted apart would show different digests."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    out: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, h.hexdigest())
+    return out
 
 
 def _cp_group(layout: Layout):
@@ -468,14 +496,14 @@ def _load_agreed_checkpoint(accelerator, root: str) -> dict[str, Any] | None:
 
 
 def _save_checkpoint(accelerator, model, step_model, optimizer, scheduler, root: str, step: int, meta: dict,
-                     keep: int, generators: dict[str, torch.Generator], sharded: bool) -> None:
+                     keep: int, sharded: bool) -> None:
     """Rank 0 clears the step's folder, every rank writes its RNG state (and, sharded, its shards of
     the weights and optimiser state), then rank 0 writes the rest and marks the checkpoint complete
     (see sfm.checkpoint)."""
     if accelerator.is_main_process:
         checkpoint.begin(root, step)
     accelerator.wait_for_everyone()
-    checkpoint.save_rank_rng(root, step, accelerator.process_index, generators)
+    checkpoint.save_rank_rng(root, step, accelerator.process_index)
     if sharded:
         parallelize.save_sharded(checkpoint.shards_url(root, step), step_model, optimizer)
     accelerator.wait_for_everyone()

@@ -87,6 +87,9 @@ class TrainStep:
             learning rate stays a function of the step number).
         generator: the RNG the MAE masks are drawn from (default: torch's global one); save its
             state with a checkpoint to resume exactly.
+        mask_noise: ``(micro-batch index, imgs) -> noise [N, L]`` for the MAE masks instead of
+            ``generator`` (e.g. derived from the data's position, so that masks do not depend on how
+            samples are spread over ranks).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -96,8 +99,10 @@ class TrainStep:
                  backward: Callable[[torch.Tensor], None] | None = None,
                  clip_grad_norm: Callable[..., torch.Tensor] | None = None,
                  check_finite: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None,
+                 mask_noise: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.mask_noise = mask_noise
         self.generator = generator
         self.grad_clip = float(grad_clip)
         self.autocast, self.no_sync = autocast, no_sync
@@ -115,7 +120,10 @@ class TrainStep:
             skip_sync = self.no_sync() if self.no_sync is not None and not last else contextlib.nullcontext()
             with skip_sync:
                 with self.autocast():
-                    loss, _, _ = self.model(imgs, generator=self.generator)
+                    if self.mask_noise is not None:
+                        loss, _, _ = self.model(imgs, noise=self.mask_noise(i, imgs))
+                    else:
+                        loss, _, _ = self.model(imgs, generator=self.generator)
                 self.backward(loss / count)
             losses.append(loss.detach().float())
         losses_t = torch.stack(losses)

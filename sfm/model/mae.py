@@ -320,17 +320,22 @@ class MaskedAutoencoder3D(nn.Module):
 
     # ---- the algorithm ----------------------------------------------------------------------
 
-    def random_masking(self, x: torch.Tensor, mask_ratio: float, generator: torch.Generator | None = None):
+    def random_masking(self, x: torch.Tensor, mask_ratio: float, generator: torch.Generator | None = None,
+                       noise: torch.Tensor | None = None):
         """Per-sample random masking by argsort of uniform noise.
 
         x: [N, L, E] -> x_kept [N, K, E] with K = max(1, int(L * (1 - mask_ratio))),
         mask [N, L] (0 keep, 1 remove), ids_restore [N, L] (undoes the shuffle).
-        The noise comes from ``generator`` (default: torch's global RNG); a training loop that owns
-        one resumes exactly, whatever else (a DataLoader, a library) draws from the global RNG.
+        The noise [N, L] is ``noise`` if given (a training loop that derives it from the data's
+        position makes masks independent of how samples are spread over ranks), else drawn from
+        ``generator`` (default: torch's global RNG).
         """
         N, L, E = x.shape
         len_keep = max(1, int(L * (1 - mask_ratio)))
-        noise = torch.rand(N, L, device=x.device, generator=generator)
+        if noise is None:
+            noise = torch.rand(N, L, device=x.device, generator=generator)
+        elif tuple(noise.shape) != (N, L):
+            raise ValueError(f"mask noise must be [N, L] = {[N, L]}, got {list(noise.shape)}")
         ids_shuffle = torch.argsort(noise, dim=1)  # ascending: small noise is kept
         ids_restore = torch.argsort(ids_shuffle, dim=1)
         ids_keep = ids_shuffle[:, :len_keep]
@@ -358,10 +363,11 @@ class MaskedAutoencoder3D(nn.Module):
         # the cls token carries no position (MAE's zero row of pos_embed)
         return torch.cat([self.cls_token.to(x.dtype).expand(x.shape[0], -1, -1), x], dim=1)
 
-    def forward_encoder(self, imgs: torch.Tensor, mask_ratio: float, generator: torch.Generator | None = None):
+    def forward_encoder(self, imgs: torch.Tensor, mask_ratio: float, generator: torch.Generator | None = None,
+                        noise: torch.Tensor | None = None):
         """imgs [N, C, D, H, W] -> latent [N, 1+K, E], mask [N, L], ids_restore [N, L]."""
         x, _ = self._embed(imgs)
-        x, mask, ids_restore = self.random_masking(x, mask_ratio, generator)
+        x, mask, ids_restore = self.random_masking(x, mask_ratio, generator, noise)
         x = self._run(self.blocks, self._with_cls(x))
         return self.norm(x), mask, ids_restore
 
@@ -400,11 +406,12 @@ class MaskedAutoencoder3D(nn.Module):
         mask = mask.float()
         return (loss * mask).sum() / mask.sum().clamp(min=1.0)
 
-    def forward(self, imgs: torch.Tensor, mask_ratio: float | None = None, generator: torch.Generator | None = None):
-        """imgs [N, C, D, H, W] -> (loss, pred [N, L, P], mask [N, L])."""
+    def forward(self, imgs: torch.Tensor, mask_ratio: float | None = None, generator: torch.Generator | None = None,
+                noise: torch.Tensor | None = None):
+        """imgs [N, C, D, H, W] -> (loss, pred [N, L, P], mask [N, L]); ``noise`` [N, L]: see random_masking."""
         mask_ratio = self.cfg.mask_ratio if mask_ratio is None else mask_ratio
         grid = self.grid_shape(imgs)
-        latent, mask, ids_restore = self.forward_encoder(imgs, mask_ratio, generator)
+        latent, mask, ids_restore = self.forward_encoder(imgs, mask_ratio, generator, noise)
         pred = self.forward_decoder(latent, ids_restore, grid)
         loss = self.forward_loss(imgs, pred, mask)
         return loss, pred, mask
