@@ -33,6 +33,7 @@ import itertools
 import logging
 import os
 import random
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -270,7 +271,8 @@ class SurveyInfo:
     def normalise_into(self, stored: np.ndarray, dst: np.ndarray) -> None:
         """``dst = (clip(amplitude, p0.1, p99.9) - mean) / std`` from stored values, in three passes:
         the clip is done in stored units (the decode is increasing), decode and standardise fold into
-        one multiply-add."""
+        one multiply-add. (Cutting the passes into cache-sized blocks, or two passes through torch,
+        saved under 0.05 s of CPU per GB: a brick just decoded is still in the L3 cache.)"""
         lo, hi = ((c - self.offset) / self.scale for c in self.clip)
         np.clip(stored, lo, hi, out=dst, casting="unsafe")
         dst *= np.float32(self.scale / self.std)
@@ -689,10 +691,12 @@ class CropDataset(IterableDataset):
             return itertools.count(first, workers)
         return range(first, self.num_batches, workers)
 
-    def _start(self, batch: int, shared: bool) -> tuple[torch.Tensor, list[Future]]:
-        out = torch.empty((self.batch_size, 1, *self.sampler.shape), dtype=torch.float32)
-        if shared:  # a worker's batch goes to the main process by handle, not by copy
-            out.share_memory_()
+    def _start(self, batch: int, buffers: "_BatchBuffers | None") -> tuple[torch.Tensor, list[Future]]:
+        shape = (self.batch_size, 1, *self.sampler.shape)
+        if buffers is None:  # a worker's batch goes to the main process by handle, not by copy
+            out = torch.empty(shape, dtype=torch.float32).share_memory_()
+        else:
+            out = torch.from_numpy(buffers.take())
         arr = out.numpy()
         futures = [f for n, i in enumerate(self.sample_indices(batch)) for f in self.sampler.submit(i, arr[n])]
         return out, futures
@@ -701,9 +705,11 @@ class CropDataset(IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         pending: collections.deque = collections.deque()
+        buffers = None if info is not None else _BatchBuffers((self.batch_size, 1, *self.sampler.shape),
+                                                              keep=self.prefetch + 4)
         try:
             for batch in self.worker_batches(worker, workers):
-                pending.append(self._start(batch, info is not None))
+                pending.append(self._start(batch, buffers))
                 if len(pending) > self.prefetch:
                     out, futures = pending.popleft()
                     _wait(futures)
@@ -716,6 +722,30 @@ class CropDataset(IterableDataset):
             for _, futures in pending:
                 for f in futures:
                     f.cancel()
+
+
+class _BatchBuffers:
+    """Batch arrays for one in-process stream, each reused once no tensor is left that uses it.
+
+    A fresh 64 MB batch costs the kernel a page fault and a zeroed page per 4 KiB on first touch:
+    0.75 s of CPU per GB delivered, a fifth of the loader's CPU (benchmarks/stream.py). A batch is
+    handed out as ``torch.from_numpy(array)``: every tensor and view of it keeps the array alive
+    through their shared storage, so the array's reference count says when it is free again. At
+    most ``keep`` arrays are kept; past that (a consumer holding many batches) arrays are fresh.
+    """
+
+    def __init__(self, shape: tuple[int, ...], keep: int):
+        self.shape, self.keep = shape, keep
+        self.arrays: list[np.ndarray] = []
+
+    def take(self) -> np.ndarray:
+        for n in range(len(self.arrays)):
+            if sys.getrefcount(self.arrays[n]) == 2:  # the list's reference and the call's: free
+                return self.arrays[n]
+        array = np.empty(self.shape, dtype=np.float32)
+        if len(self.arrays) < self.keep:
+            self.arrays.append(array)
+        return array
 
 
 # --------------------------------------------------------------------------------------------

@@ -294,3 +294,25 @@ def test_layouts_the_brick_reader_does_not_know_are_read_through_zarr(surveys, t
     assert sampler._readers == [None]
     np.testing.assert_allclose(sampler.read(3)[0], expected_crop(
         SimpleNamespace(urls=[url], amp=surveys.amp[:1], live=surveys.live[:1]), sampler, 3), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_buffers_are_reused_only_once_no_tensor_holds_them(surveys):
+    """In-process streams recycle batch memory (fresh 64 MB batches cost page faults): a batch the
+    consumer dropped is refilled, one it still holds (or a view of it, or a numpy view) never is."""
+    kept = take(stream(surveys.urls, seed=37, augment=data.AUGMENTATIONS), 12)
+    s = stream(surveys.urls, seed=37, augment=data.AUGMENTATIONS)
+    held, addresses = [], set()
+    try:
+        for n in range(12):
+            batch = next(s)
+            addresses.add(batch.data_ptr())
+            if n % 4 == 0:
+                held.append((n, batch[1:].numpy() if n % 8 else batch[2]))  # views keep the batch alive
+            assert torch.equal(batch, kept[n])
+            del batch
+        for n, view in held:  # still what was delivered
+            expected = kept[n][1:].numpy() if n % 8 else kept[n][2]
+            assert np.array_equal(np.asarray(view), np.asarray(expected))
+    finally:
+        s.close()
+    assert len(addresses) <= 2 + 3 + len(held), addresses  # reused: prefetch + in hand + held, not 12
