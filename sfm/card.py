@@ -52,6 +52,7 @@ def loss_curve(history: list[dict[str, Any]], size: tuple[int, int] = (640, 320)
     left, right, top, bottom = 60, 15, 20, 40
     img = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(img)
+    history = [h for h in history if h.get("loss") is not None]  # skipped non-finite steps have none
     steps = np.array([h["step"] for h in history], dtype=float)
     losses = np.array([h["loss"] for h in history], dtype=float)
     draw.rectangle([left, top, width - right, height - bottom], outline="black")

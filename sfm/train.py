@@ -348,14 +348,18 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
             save_now = step % cfg.train.checkpoint_every == 0 or last
             if log_now or save_now:  # a checkpoint holds the loss of every step before it
                 step_losses = accelerator.reduce(torch.stack(pending), "mean").tolist()
-                history.extend({"step": step - len(step_losses) + i + 1, "loss": v} for i, v in enumerate(step_losses))
+                # a skipped (non-finite) step keeps its place in the history with no loss
+                history.extend({"step": step - len(step_losses) + i + 1, "loss": v if math.isfinite(v) else None}
+                               for i, v in enumerate(step_losses))
                 pending.clear()
             if log_now:
                 speed = throughput(samples=steps_in_window * samples_per_step,
                                    seconds=time.perf_counter() - t_window - paused, flops_per_sample=flops_per_sample,
                                    voxels_per_sample=math.prod(cfg.data.crop), peak_flops=peak, devices=world)
                 metrics = {"loss": history[-1]["loss"], "lr": scheduler.get_last_lr()[0], **speed}
-                history[-1].update(metrics)
+                if metrics["loss"] is None:
+                    metrics["loss"] = float("nan")
+                history[-1].update({k: v for k, v in metrics.items() if k != "loss"})
                 accelerator.log(metrics, step=step)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
                                 sps=f"{speed['samples_per_s']:.1f}", vox=f"{speed['voxels_per_s'] / 1e6:.1f}M",
@@ -387,11 +391,12 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
         save_model(export, final_url, {"job": cfg.to_dict()})
         elapsed = time.perf_counter() - t_start
         tail = [h for h in history if "samples_per_s" in h]
+        finite = [h["loss"] for h in history if h["loss"] is not None]
         summary = {
             "steps": cfg.train.max_steps, "steps_this_attempt": steps_run, "resumed_from_step": start_step,
             "world_size": world, "strategy": strategy, "dp": layout.dp, "cp": layout.cp,
-            "initial_loss": history[0]["loss"] if history else None,
-            "final_loss": history[-1]["loss"] if history else None, "history": history,
+            "initial_loss": finite[0] if finite else None, "final_loss": finite[-1] if finite else None,
+            "history": history,
             "samples_per_s": tail[-1]["samples_per_s"] if tail else None,
             "voxels_per_s": tail[-1]["voxels_per_s"] if tail else None,
             "mfu": tail[-1]["mfu"] if tail else None, "mfu_peak_flops": peak, "model_url": final_url,
