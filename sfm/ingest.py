@@ -6,8 +6,10 @@ One call ingests one survey:
    (``survey_id``) and reads the trace header fields; a survey already in the manifest is a no-op;
 2. build the full (inline, crossline) grid, refusing what cannot be stored faithfully;
 3. stream the traces, one column of bricks (``chunk`` inlines x ``chunk`` crosslines x all samples)
-   at a time, on all cores: read runs of consecutive traces, convert to float32, accumulate the
-   statistics (same pass), encode and write whole shards;
+   at a time, on all cores: read runs of consecutive traces into a small per-thread buffer, convert
+   them to float32 and accumulate the statistics while they are in cache, place them into the
+   column, laid out brick after brick so the codec reads each brick where it lies, then encode and
+   write whole shards;
 4. write the attributes (validated against ``data_contracts/survey_store.schema.json``) and the
    consolidated metadata, and only then publish the manifest row.
 
@@ -38,7 +40,7 @@ from sfm import manifest, storage
 from sfm.contracts import read_store_attrs, validate
 from sfm.errors import SFMError
 from sfm.segy import (
-    DIGEST_ALGORITHM, SegyLayout, SurveyGeometry, TraceReader, build_geometry, cdp_coordinates,
+    DIGEST_ALGORITHM, SegyLayout, SurveyGeometry, TraceReader, build_geometry, cdp_coordinates, checksum_text,
     header_fields_needed, read_layout, scan_file, text_header,
 )
 from sfm.store_writer import GroupWriter
@@ -49,9 +51,29 @@ PERCENTILE_TRACES = 4096  # evenly spaced traces kept for the percentiles (all t
 TRANSFORM_TRACES = 1024  # evenly spaced traces read first to fix the float16 standardisation
 SHARD_BYTES = 64 << 20  # target size of one shard (bricks along the sample axis)
 FLOAT16_MAX = 65504.0
-# the bricks' codec: Blosc zstd level 1 over byte-shuffled 1 MiB blocks (35-45 % smaller than lz4 on real
-# integer-born seismic, and larger blocks compress better than Blosc's default at the same speed)
-AMPLITUDE_CODEC = {"cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
+# The bricks' codec, "cname[:clevel]" over byte-shuffled 1 MiB blocks (larger blocks compress better than
+# Blosc's default at the same speed). Default zstd level 1: against lz4 level 1 it stores real integer-born
+# seismic (F3) in 22 % fewer bytes (0.465 of raw against 0.595) and noisy float data in 8 % fewer (0.83
+# against 0.91), for 2-3x the CPU to encode and 1.5-3x to decode; at cloud prices the storage saved
+# outweighs the CPU (BENCHMARKS.md, "Ingest"). lz4 suits machines short of cores.
+CODEC_NAMES = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
+DEFAULT_CODEC = "zstd:1"
+
+
+def codec_spec(codec: str) -> dict[str, Any]:
+    """The Blosc settings of the amplitude bricks for ``codec`` = "cname[:clevel]" (clevel 1 if not given)."""
+    cname, _, level = str(codec).strip().partition(":")
+    try:
+        clevel = int(level) if level else 1
+    except ValueError:
+        clevel = -1
+    if cname not in CODEC_NAMES or not 1 <= clevel <= 9:
+        raise SFMError(f"codec {codec!r} is not a Blosc codec; use one of {', '.join(CODEC_NAMES)}, optionally "
+                       "with a level 1-9 (e.g. zstd:1, the default, or lz4)")
+    return {"cname": cname, "clevel": clevel, "shuffle": "shuffle", "blocksize": 1 << 20}
+
+
+AMPLITUDE_CODEC = codec_spec(DEFAULT_CODEC)
 DTYPES = ("float32", "float16")
 NONFINITE_POLICIES = ("replace", "refuse")
 
@@ -80,8 +102,10 @@ class IngestOptions:
     max_sparsity: float = 10.0
     nonfinite: str = "replace"  # "replace" NaN/inf by 0 and report, or "refuse" the file
     workers: int = 0  # threads; 0: two more than the cores (at most 16), so shard writes overlap encoding
+    codec: str = DEFAULT_CODEC  # Blosc "cname[:clevel]" of the amplitude bricks
 
     def check(self) -> None:
+        codec_spec(self.codec)
         if self.dtype not in DTYPES:
             raise SFMError(f"--dtype {self.dtype!r} is not supported; use float32 (lossless) or float16")
         if self.nonfinite not in NONFINITE_POLICIES:
@@ -111,15 +135,20 @@ def ingest_survey(
     max_sparsity: float = 10.0,
     nonfinite: str = "replace",
     workers: int = 0,
+    codec: str = DEFAULT_CODEC,
     progress: bool = False,
 ) -> dict[str, Any]:
     """Ingest one SEG-Y file into ``<data_root>/surveys/<survey_id>.zarr`` and publish it.
 
     Returns the manifest row plus ``status`` ("ingested" or "exists"), ``message``, ``seconds``,
     ``mb_per_s`` and ``details`` (byte locations and how they were found, byte order, holes, ...).
+
+    ``survey_id`` is the first 16 hex digits of the file's BLAKE3 digest (what ``b3sum`` prints), so
+    the same bytes always give the same survey, wherever they come from; the store and the manifest
+    row record the whole digest as ``checksum`` = "blake3:<64 hex digits>".
     """
     opts = IngestOptions(iline_byte or None, xline_byte or None, endian, int(chunk), dtype, float(max_sparsity),
-                         nonfinite, int(workers))
+                         nonfinite, int(workers), codec)
     opts.check()
     t0 = time.perf_counter()
     data_root = storage.normalize(data_root)
@@ -143,7 +172,8 @@ def ingest_survey(
         text, encoding = text_header(layout)
         attrs = {
             "sfm_store_version": STORE_VERSION, "survey_id": survey_id, "name": name, "source_url": src_url,
-            "source_size": os.path.getsize(local), "checksum": digest, "checksum_algorithm": DIGEST_ALGORITHM,
+            "source_size": os.path.getsize(local), "checksum": checksum_text(digest),
+            "checksum_algorithm": DIGEST_ALGORITHM,
             "iline_byte": geometry.iline_byte, "xline_byte": geometry.xline_byte,
             "byte_locations": geometry.extra["byte_locations"],
             "byte_pairs_rejected": geometry.extra["byte_pairs_rejected"],
@@ -165,7 +195,7 @@ def ingest_survey(
             raise
     row = {
         "survey_id": survey_id, "name": name, "source_url": src_url, "store_url": store_url,
-        "shape": attrs["shape"], "live_traces": int(layout.n_traces), "checksum": digest,
+        "shape": attrs["shape"], "live_traces": int(layout.n_traces), "checksum": attrs["checksum"],
         "sample_format": layout.sample_format, "sample_interval_us": layout.sample_interval_us,
         "dtype": opts.dtype, "ingested_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "stats_json": json.dumps(stats, sort_keys=True),
@@ -270,6 +300,7 @@ class _Plan:
     bricks: tuple[int, int, int]
     shards: tuple[int, int, int]
     dtype: str
+    codec: dict[str, Any] = field(default_factory=lambda: dict(AMPLITUDE_CODEC))
     offset: float = 0.0  # float16: amplitude = stored * scale + offset
     scale: float = 1.0
     hole: float = 0.0  # the stored value of a missing trace (decodes to exactly 0)
@@ -290,7 +321,8 @@ def _plan(layout: SegyLayout, geometry: SurveyGeometry, opts: IngestOptions) -> 
     bricks = (min(c, n_il), min(c, n_xl), min(c, ns))
     brick_bytes = math.prod(bricks) * np.dtype(opts.dtype).itemsize
     per_shard = max(1, min(-(-ns // bricks[2]), SHARD_BYTES // brick_bytes))
-    return _Plan((n_il, n_xl, ns), bricks, (bricks[0], bricks[1], bricks[2] * per_shard), opts.dtype)
+    return _Plan((n_il, n_xl, ns), bricks, (bricks[0], bricks[1], bricks[2] * per_shard), opts.dtype,
+                 codec_spec(opts.codec))
 
 
 def _float16_transform(plan: _Plan, reader: TraceReader, n_traces: int) -> None:
@@ -317,7 +349,7 @@ def _create_arrays(group: GroupWriter, plan: _Plan, geometry: SurveyGeometry, la
     group.create_array(
         "amplitude", shape=plan.shape, chunks=plan.bricks, dtype=plan.dtype,
         shards={"shape": plan.shards, "index_location": "start"},
-        compressors=BloscCodec(**AMPLITUDE_CODEC), fill_value=plan.hole,
+        compressors=BloscCodec(**plan.codec), fill_value=plan.hole,
         dimension_names=["inline", "crossline", "sample"], attributes=amp_attrs)
     mask = np.zeros((n_il, n_xl), dtype=bool)
     mask[geometry.trace_il, geometry.trace_xl] = True
@@ -349,21 +381,25 @@ def _write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, h
         group = GroupWriter(store_url)
         _create_arrays(group, plan, geometry, layout, headers)
         writer = group.shards("amplitude")
-        buffers = threading.local()  # one brick column per thread, reused: no page faults per column
+        b_il, b_xl, depth = plan.bricks
+        n_k = -(-plan.shape[2] // depth)  # bricks along the samples
+        per_shard = plan.shards[2] // depth
+        buffers = threading.local()  # per thread, reused: no page faults per column
 
         def work(unit: tuple[int, int, int, int]) -> _Moments:
             il0, il1, xl0, xl1 = unit
             if getattr(buffers, "column", None) is None:
-                buffers.column = np.empty((plan.bricks[0], plan.bricks[1], layout.samples), dtype=np.float32)
-            column = buffers.column[: il1 - il0, : xl1 - xl0]
+                # brick-major: column[k] is the k-th brick along the samples, C-contiguous, what the codec reads
+                buffers.column = np.empty((n_k, b_il, b_xl, depth), dtype=np.float32)
+                buffers.block = np.empty((reader.max_traces, plan.shape[2]), dtype=np.float32)
             unit_cells = cells[il0:il1, xl0:xl1]
-            moments = _read_unit(reader, unit_cells, column, stride)
+            moments = _read_unit(reader, unit_cells, buffers.column, buffers.block, stride)
             if moments.n == 0:
                 return moments  # all holes: no shard (zarr reads fill value, which decodes to 0)
-            stored = _encode(column, unit_cells >= 0, plan, buffers)
-            depth = plan.shards[2]
-            for k in range(writer.shards_per_column):
-                writer.write((il0 // plan.bricks[0], xl0 // plan.bricks[1], k), stored[:, :, k * depth : (k + 1) * depth])
+            stored = _encode(buffers.column, unit_cells >= 0, plan, buffers)
+            for s in range(writer.shards_per_column):
+                bricks = [stored[k] if k < n_k else None for k in range(s * per_shard, (s + 1) * per_shard)]
+                writer.write_bricks((il0 // b_il, xl0 // b_xl, s), bricks)
             return moments
 
         total = _Moments()
@@ -399,7 +435,7 @@ def _write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, h
     stats = total.result()
     attrs["stats"] = stats
     attrs["store"] = {"bricks": list(plan.bricks), "shards": list(plan.shards), "shard_index": "start",
-                      "codec": "blosc " + " ".join(f"{k}={v}" for k, v in AMPLITUDE_CODEC.items()),
+                      "codec": "blosc " + " ".join(f"{k}={v}" for k, v in plan.codec.items()),
                       "dtype": plan.dtype}
     if plan.dtype == "float16":
         attrs["amplitude_transform"] = {"kind": "standardise", "stored_dtype": "float16",
@@ -410,16 +446,33 @@ def _write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, h
     return stats
 
 
-def _read_unit(reader: TraceReader, cells: np.ndarray, column: np.ndarray, stride: int) -> _Moments:
-    """Fill one brick column ``column`` [a, b, NS] float32 with the traces of ``cells`` [a, b] (trace
-    numbers, -1 for holes, which become 0) and return the statistics of its live samples.
+def _read_unit(reader: TraceReader, cells: np.ndarray, column: np.ndarray, block: np.ndarray,
+               stride: int) -> _Moments:
+    """Fill brick column ``column`` [K, A, B, D] (brick-major: brick k holds samples k*D .. k*D + D - 1)
+    with the traces of ``cells`` [a, b] (trace numbers, -1 for holes) and return the statistics of its
+    live samples. Whatever no trace fills is 0: holes, cells past the unit's edge (a < A or b < B) and
+    samples past the trace's end (K * D > NS).
 
-    Consecutive trace numbers are read with one ``pread`` and, along a crossline row (inline-sorted
-    files) or an inline column (crossline-sorted), converted straight into place.
+    Consecutive trace numbers are read together, in pieces of at most ``len(block)`` traces: each piece
+    is converted into ``block`` [T, NS] float32 (small: it stays in cache), its statistics taken there,
+    and only then placed into the column (along a crossline row for inline-sorted files, along an
+    inline column for crossline-sorted ones, cell by cell otherwise).
     """
     moments = _Moments()
+    a, b = cells.shape
+    n_k, big_a, big_b, depth = column.shape
+    ns = block.shape[1]
+    full, rest = divmod(ns, depth)  # bricks the samples fill, samples in the last one
+    if a < big_a:
+        column[:, a:] = 0.0
+    if b < big_b:
+        column[:, :a, b:] = 0.0
+    if rest:
+        column[full, :a, :b, rest:] = 0.0
     live = cells >= 0
-    column[~live] = 0.0
+    hole_i, hole_j = np.nonzero(~live)
+    if hole_i.size:
+        column[:, hole_i, hole_j] = 0.0
     li, lj = np.nonzero(live)
     if li.size == 0:
         return moments
@@ -427,46 +480,59 @@ def _read_unit(reader: TraceReader, cells: np.ndarray, column: np.ndarray, strid
     order = np.argsort(traces, kind="stable")
     traces, li, lj = traces[order], li[order], lj[order]
     breaks = np.nonzero(np.diff(traces) != 1)[0] + 1
-    for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, len(traces)]):
+    step = len(block)
+    pieces = [(p, min(p + step, hi)) for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, len(traces)])
+              for p in range(int(lo), int(hi), step)]
+    for lo, hi in pieces:
         start, stop = int(traces[lo]), int(traces[hi - 1]) + 1
         i, j = li[lo:hi], lj[lo:hi]
-        in_place = True
         if i[0] == i[-1] and j[-1] - j[0] == hi - lo - 1:  # along a crossline row
-            block = column[i[0], j[0] : j[-1] + 1]
+            i, j = int(i[0]), slice(int(j[0]), int(j[-1]) + 1)
         elif j[0] == j[-1] and i[-1] - i[0] == hi - lo - 1:  # along an inline column
-            block = column[i[0] : i[-1] + 1, j[0]]
-        else:
-            block, in_place = np.empty((stop - start, column.shape[2]), dtype=np.float32), False
-        reader.read_into(start, stop, block)
-        lo, hi = float(block.min()), float(block.max())
-        if not (math.isfinite(lo) and math.isfinite(hi)):  # NaN or inf somewhere: count, locate, replace by 0
-            bad = ~np.isfinite(block)
+            i, j = slice(int(i[0]), int(i[-1]) + 1), int(j[0])
+        piece = block[: hi - lo]
+        reader.read_into(start, stop, piece)
+        low, high = float(piece.min()), float(piece.max())
+        if not (math.isfinite(low) and math.isfinite(high)):  # NaN or inf somewhere: count, locate, replace by 0
+            bad = ~np.isfinite(piece)
             moments.nonfinite += int(bad.sum())
             if moments.first_nonfinite < 0:
                 moments.first_nonfinite = start + int(np.nonzero(bad.any(axis=1))[0][0])
-            block[bad] = 0.0
-            lo, hi = float(block.min()), float(block.max())
-        if not in_place:
-            column[i, j] = block
-        moments.add_block(block, lo, hi)
+            piece[bad] = 0.0
+            low, high = float(piece.min()), float(piece.max())
+        moments.add_block(piece, low, high)
         keep = np.nonzero(np.arange(start, stop) % stride == 0)[0]
         if keep.size:
-            moments.sample.append(block[keep].copy())
+            moments.sample.append(piece[keep].copy())
+        if full:
+            column[:full, i, j] = piece[:, : full * depth].reshape(hi - lo, full, depth).transpose(1, 0, 2)
+        if rest:
+            column[full, i, j, :rest] = piece[:, full * depth :]
     return moments
 
 
 def _encode(column: np.ndarray, live: np.ndarray, plan: _Plan, buffers) -> np.ndarray:
-    """The stored values of ``column`` [a, b, NS]: itself (float32), or standardised float16."""
+    """The stored values of brick column ``column`` [K, A, B, D] (filled by :func:`_read_unit` for the
+    cells ``live`` [a, b]): itself (float32), or standardised float16 with the hole value wherever
+    no trace is."""
     if plan.dtype == "float32":
         return column
     column -= np.float32(plan.offset)
     column *= np.float32(1.0 / plan.scale)
     np.clip(column, -FLOAT16_MAX, FLOAT16_MAX, out=column)
     if getattr(buffers, "half", None) is None:
-        buffers.half = np.empty((plan.bricks[0], plan.bricks[1], plan.shape[2]), dtype=np.float16)
-    stored = buffers.half[: column.shape[0], : column.shape[1]]
+        buffers.half = np.empty(column.shape, dtype=np.float16)
+    stored = buffers.half
     np.copyto(stored, column, casting="same_kind")
-    stored[~live] = np.float16(plan.hole)
+    hole = np.float16(plan.hole)
+    a, b = live.shape
+    stored[:, a:] = hole
+    stored[:, :, b:] = hole
+    hole_i, hole_j = np.nonzero(~live)
+    stored[:, hole_i, hole_j] = hole
+    rest = plan.shape[2] % column.shape[3]
+    if rest:
+        stored[-1, :, :, rest:] = hole
     return stored
 
 
