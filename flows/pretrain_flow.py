@@ -2,7 +2,8 @@
 
     python flows/pretrain_flow.py run                      # embedded demo: synthetic surveys, tiny model, CPU
     python flows/pretrain_flow.py run --surveys s3://b/landing/a.sgy,s3://b/landing/b.sgy \\
-        --held-out s3://b/landing/c.sgy --data-root s3://b/sfm --preset base --nodes 4 --procs-per-node 8
+        --held-out s3://b/landing/c.sgy --data-root s3://b/sfm --preset base --nodes 4 --procs-per-node 8 \\
+        --cp 2                                             # 32 ranks: 16 dp groups x 2 context-parallel ranks
     python flows/pretrain_flow.py resume                   # after a failure: training continues from its checkpoint
 
 Each step calls one function of ``sfm.pipeline`` and keeps only small artifacts (URLs, ids, metrics).
@@ -51,6 +52,11 @@ class PretrainFlow(FlowSpec):
                       help="nodes for the @parallel pretrain step; default: the config's [dist] nodes")
     procs_per_node = Parameter("procs-per-node", default=config_expr("job_of(config).dist.procs_per_node"), type=int,
                                help="training processes per node; default: the config's [dist] procs_per_node")
+    cp = Parameter("cp", default=config_expr("job_of(config).dist.cp"), type=int,
+                   help="context-parallel ranks per volume (nodes x procs-per-node must divide by it); "
+                   "default: the config's [dist] cp")
+    strategy = Parameter("strategy", default=config_expr("job_of(config).dist.strategy"),
+                         help="data-parallel strategy: ddp | fsdp2-zero2 | fsdp2-full; default: the config's")
     init_from = Parameter("init-from", default="", help="continue pretraining from these weights: an exported "
                           "model folder URL, or champion|latest|vN of the registry in --data-root; empty: config's")
 
@@ -61,7 +67,8 @@ class PretrainFlow(FlowSpec):
 
         with user_errors():
             self.job = pipeline.job_config(dict(self.config), preset=self.preset, max_steps=self.max_steps,
-                                           nodes=self.nodes, procs_per_node=self.procs_per_node).to_dict()
+                                           nodes=self.nodes, procs_per_node=self.procs_per_node, cp=self.cp,
+                                           strategy=self.strategy).to_dict()
             self.root = storage.normalize(self.data_root)
             self.job = pipeline.resolve_init_from(JobConfig.from_dict(self.job), self.init_from, self.root).to_dict()
             self.plan = pipeline.plan_surveys(self.surveys, self.held_out, self.root)

@@ -136,7 +136,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _job_config(args: argparse.Namespace):
     from sfm.config import JobConfig
 
-    return JobConfig.from_toml(args.config or None, args.overrides)
+    cfg = JobConfig.from_toml(args.config or None, args.overrides)
+    if getattr(args, "cp", 0):
+        cfg.set("dist.cp", args.cp)
+    if getattr(args, "strategy", ""):
+        cfg.set("dist.strategy", args.strategy)
+    return cfg
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
@@ -192,6 +197,10 @@ def _job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=0, help="nodes in the job (default: the config's [dist] nodes)")
     p.add_argument("--procs-per-node", type=int, default=0,
                    help="training processes per node, one per GPU (default: the config's [dist] procs_per_node)")
+    p.add_argument("--cp", type=int, default=0, help="context-parallel ranks per volume; nodes x procs-per-node must "
+                   "divide by it (default: the config's [dist] cp)")
+    p.add_argument("--strategy", default="", choices=["", "ddp", "fsdp2-zero2", "fsdp2-full"],
+                   help="data-parallel strategy (default: the config's [dist] strategy)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,13 +16,14 @@ from typing import Any
 from sfm.errors import SFMError
 
 DEFAULT_TOML = Path(__file__).with_name("default.toml")
+STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")  # dist.strategy (same as sfm.parallelize.STRATEGIES)
 
 
 @dataclass
 class IngestConfig:
-    iline_byte: int = 189
-    xline_byte: int = 193
-    chunk: int = 64  # brick edge in voxels (clipped to the survey's shape)
+    iline_byte: int = 0  # trace-header byte of the inline number; 0 (with xline_byte 0): detect among the common pairs
+    xline_byte: int = 0  # of the crossline number
+    chunk: int = 128  # brick edge in voxels (clipped to the survey's shape)
 
 
 @dataclass
@@ -73,7 +74,7 @@ class DistConfig:
     procs_per_node: int = 1
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     timeout_s: int = 300  # collectives (and rendezvous) fail after this: a dead rank never hangs the job
-    strategy: str = "ddp"  # ddp | fsdp2-zero2 | fsdp2-full | deepspeed-zero2 (GPU, `sfm[deepspeed]`)
+    strategy: str = "ddp"  # ddp | fsdp2-zero2 | fsdp2-full (see sfm.parallelize)
     cp: int = 1  # context-parallel ranks per volume (dp = world size / cp); see sfm.context_parallel
 
 
@@ -166,6 +167,24 @@ class JobConfig:
                 raise SFMError(f"override '{item}' must look like section.key=value")
             cfg.set(key.strip(), _parse_literal(value.strip()))
         return cfg
+
+    def check_parallelism(self) -> None:
+        """Refuse a [dist] section no run could train with, before anything starts."""
+        d = self.dist
+        if d.strategy == "deepspeed-zero2":
+            raise SFMError("dist.strategy = deepspeed-zero2 is not available in this release; use fsdp2-zero2 "
+                           "(the same ZeRO-2 sharding through PyTorch FSDP2)")
+        if d.strategy not in STRATEGIES:
+            raise SFMError(f"dist.strategy = {d.strategy!r} is not a strategy; use one of {', '.join(STRATEGIES)}")
+        if d.cp < 1:
+            raise SFMError(f"dist.cp = {d.cp} must be at least 1")
+        if d.cp > 1 and d.strategy != "ddp":
+            raise SFMError(f"dist.cp = {d.cp} runs with dist.strategy = ddp (data parallel over the dp x cp mesh); "
+                           f"{d.strategy} with context parallelism is not supported yet")
+        world = d.nodes * d.procs_per_node
+        if world % d.cp:
+            raise SFMError(f"dist.cp = {d.cp} does not divide the {world} training processes ({d.nodes} node(s) x "
+                           f"{d.procs_per_node}); choose a cp that divides it")
 
     def set(self, dotted: str, value: Any) -> None:
         section_name, _, key = dotted.partition(".")

@@ -11,7 +11,7 @@ Strategies (``[dist] strategy`` in the job config):
 - ``fsdp2-full``: FSDP2 with ``reshard_after_forward=True``: blocks free their gathered parameters
   after forward and all-gather them again in backward (ZeRO-3): least memory, 1.5x the traffic.
 
-``deepspeed-zero2`` goes through Accelerate's DeepSpeed plugin (GPU clusters), not through here.
+``deepspeed-zero2`` is not offered: fsdp2-zero2 gives the same sharding with PyTorch alone.
 
 The sharding unit is one transformer block (encoder and decoder); the root module holds the rest
 (patch embedding, tokens, norms, decoder embedding and head). Call :func:`apply_strategy` after

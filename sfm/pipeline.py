@@ -21,9 +21,13 @@ DEMO_SURVEYS = (("demo-train-0", 0, False), ("demo-train-1", 1, False), ("demo-h
 
 
 def job_config(config: dict | None, *, preset: str = "", max_steps: int = 0, nodes: int = 1,
-               procs_per_node: int = 1) -> JobConfig:
+               procs_per_node: int = 1, cp: int = 0, strategy: str = "") -> JobConfig:
     """The resolved job config: the TOML config, then the flow's explicit parameters on top."""
     cfg = JobConfig.from_dict(config or {})
+    if cp:
+        cfg.set("dist.cp", cp)
+    if strategy:
+        cfg.set("dist.strategy", strategy)
     if preset:
         cfg.set("model.preset", preset)
     if max_steps:
@@ -32,6 +36,7 @@ def job_config(config: dict | None, *, preset: str = "", max_steps: int = 0, nod
     cfg.set("dist.procs_per_node", procs_per_node)
     if cfg.dist.nodes < 1 or cfg.dist.procs_per_node < 1:
         raise SFMError("--nodes and --procs-per-node must be at least 1")
+    cfg.check_parallelism()
     return cfg
 
 

@@ -91,6 +91,7 @@ def train_node(cfg: JobConfig, *, surveys: list[str], run_root: str, launch: Nod
     launch.check(run_root)
     cfg.set("dist.nodes", launch.nodes)
     cfg.set("dist.procs_per_node", launch.procs_per_node)
+    cfg.check_parallelism()
     job = {"config": cfg.to_dict(), "surveys": surveys, "run_root": run_root}
     if dry_run:  # with the cluster environment as this node's processes would see it
         from sfm.cluster import node_environment

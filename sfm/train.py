@@ -41,7 +41,6 @@ from sfm.model import save as save_model
 from sfm.train_step import TrainStep, apply_training_options, build_optimizer, lr_at, throughput
 
 log = logging.getLogger("sfm.train")
-STRATEGIES = (*parallelize.STRATEGIES, "deepspeed-zero2")
 
 
 def model_config_for(cfg: JobConfig):
@@ -74,25 +73,6 @@ class Layout(NamedTuple):
             raise SFMError(f"dist.cp = {cp} does not divide the {world} training processes (nodes x procs per "
                            "node); choose a cp that divides it")
         return cls(world, world // cp, cp, rank // cp, rank % cp)
-
-
-def check_parallelism(cfg: JobConfig) -> None:
-    """Refuse a [dist] section no run could train with, before anything starts."""
-    d = cfg.dist
-    if d.strategy not in STRATEGIES:
-        raise SFMError(f"dist.strategy = {d.strategy!r} is not a strategy; use one of {', '.join(STRATEGIES)}")
-    if d.cp < 1:
-        raise SFMError(f"dist.cp = {d.cp} must be at least 1")
-    if d.cp > 1 and d.strategy != "ddp":
-        raise SFMError(f"dist.cp = {d.cp} runs with dist.strategy = ddp (data parallel over the dp x cp mesh); "
-                       f"{d.strategy} with context parallelism is not supported yet")
-    if d.strategy == "deepspeed-zero2":
-        raise SFMError("dist.strategy = deepspeed-zero2 is not available in this release; use fsdp2-zero2 "
-                       "(the same ZeRO-2 sharding through PyTorch FSDP2)")
-    world = d.nodes * d.procs_per_node
-    if world % d.cp:
-        raise SFMError(f"dist.cp = {d.cp} does not divide the {world} training processes ({d.nodes} node(s) x "
-                       f"{d.procs_per_node}); choose a cp that divides it")
 
 
 class Faults:
@@ -142,7 +122,7 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
     from accelerate.utils import InitProcessGroupKwargs
 
     cfg = JobConfig.from_dict(job["config"])
-    check_parallelism(cfg)
+    cfg.check_parallelism()
     run_root = job["run_root"]
     cuda = torch.cuda.is_available()
     precision = cfg.train.mixed_precision if cfg.train.mixed_precision != "auto" else ("bf16" if cuda else "no")
