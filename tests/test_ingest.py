@@ -341,3 +341,58 @@ def test_contract_is_checked_when_a_store_is_read(tmp_path, segy_dir):
         open_survey(row["store_url"])
     with pytest.raises(SFMError, match="does not exist"):
         read_store_attrs(str(tmp_path / "root" / "surveys" / "0000000000000000.zarr"))
+
+
+def test_checksum_is_the_files_blake3_and_survey_id_its_prefix(tmp_path, segy_dir):
+    import blake3
+
+    row = ingest_survey(str(segy_dir / "small.sgy"), str(tmp_path / "root"))
+    digest = blake3.blake3((segy_dir / "small.sgy").read_bytes()).hexdigest()  # what `b3sum small.sgy` prints
+    attrs = read_store_attrs(row["store_url"])
+    assert row["checksum"] == attrs["checksum"] == f"blake3:{digest}" and attrs["checksum_algorithm"] == "blake3"
+    assert row["survey_id"] == digest[:16]
+    from sfm.segy import file_digest
+
+    assert file_digest(str(segy_dir / "small.sgy")) == digest  # what sfm watch uses to know a file's survey
+
+
+@pytest.mark.parametrize("codec", ["lz4", "zstd:3"])
+def test_codec_is_configurable(tmp_path, codec):
+    amplitude = cases.volume((10, 9, 20), seed=2)
+    row = ingest_survey(str(cases.write(tmp_path / "c.sgy", amplitude)), str(tmp_path / "root"), codec=codec)
+    attrs = read_store_attrs(row["store_url"])
+    cname, _, level = codec.partition(":")
+    assert f"cname={cname} clevel={level or 1}" in attrs["store"]["codec"]
+    assert np.array_equal(zarr.open_group(row["store_url"], mode="r")["amplitude"][...], amplitude)
+    with pytest.raises(SFMError, match="not a Blosc codec"):
+        ingest_survey(str(tmp_path / "c.sgy"), str(tmp_path / "root"), codec="gzip")
+
+
+@pytest.mark.parametrize("cname", ["zstd", "lz4"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_blosc_encoder_gives_numcodecs_bytes(cname, dtype):
+    import numcodecs
+
+    from sfm.store_writer import BloscEncoder
+
+    brick = np.ascontiguousarray((cases.volume((16, 16, 64), seed=1) * 100).astype(dtype))
+    encoder = BloscEncoder(cname, 1, numcodecs.Blosc.SHUFFLE, 1 << 20)
+    out = encoder.out_buffer(brick.nbytes)
+    n = encoder.encode_into(brick, out)
+    reference = numcodecs.Blosc(cname=cname, clevel=1, shuffle=numcodecs.Blosc.SHUFFLE, blocksize=1 << 20)
+    assert bytes(out[:n]) == reference.encode(brick)
+
+
+def test_flow_defaults_detect_byte_locations_and_write_128_bricks(tmp_path):
+    from sfm.config import JobConfig
+    from sfm.pipeline import ingest
+
+    cfg = JobConfig.from_toml()  # sfm/default.toml, as the flow's ingest step reads it
+    assert (cfg.ingest.iline_byte, cfg.ingest.xline_byte, cfg.ingest.chunk) == (0, 0, 128)
+    amplitude = cases.volume((6, 140, 20), seed=4)
+    path = cases.write(tmp_path / "bytes-9.sgy", amplitude, iline_byte=9, xline_byte=21)
+    ref = ingest({"url": str(path), "held_out": False}, str(tmp_path / "root"), cfg)
+    attrs = read_store_attrs(ref["store_url"])
+    assert (attrs["iline_byte"], attrs["xline_byte"], attrs["byte_locations"]) == (9, 21, "detected")
+    assert attrs["store"]["bricks"] == [6, 128, 20]  # 128^3, clipped to the survey
+    assert np.array_equal(zarr.open_group(ref["store_url"], mode="r")["amplitude"][...], amplitude)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,6 +87,8 @@ def test_sigkill_mid_file_leaves_no_row_and_the_rerun_matches(backend, tmp_path)
     assert rerun.returncode == 0, err
     row = json.loads(out.splitlines()[0])
     assert row["status"] == "ingested" and backend.published() == [row["survey_id"]]
+    if backend.kind == "local":  # whatever the killed process was writing went with the rerun
+        assert not list((Path(backend.root) / "surveys").rglob("*.partial"))
     clean_root = f"{backend.root}-clean"  # an uninterrupted ingest of the same source
     reference = ingest_survey(source, clean_root, chunk=8)
     assert reference["survey_id"] == row["survey_id"]
@@ -129,3 +132,26 @@ def test_cli_prints_a_line_per_survey_and_an_error_per_bad_file(tmp_path, segy_d
     out, err = missing.communicate(timeout=240)
     assert missing.returncode == 2 and err.strip().splitlines()[-1].startswith("sfm ingest: error:") and "does not exist" in err
     assert os.listdir(root / "manifest" / "rows") and len(manifest.read(str(root))) == 2
+
+
+def test_a_rerun_removes_what_killed_writers_left_and_keeps_live_ones(tmp_path):
+    from sfm.store_writer import HOST
+
+    source = cases.write(tmp_path / "s.sgy", cases.volume((20, 20, 40), seed=3))
+    done = ingest_survey(str(source), str(tmp_path / "done"), chunk=8)
+    root = tmp_path / "root"  # the same store, unpublished, as an interrupted ingest leaves it
+    store = root / "surveys" / Path(done["store_url"]).name
+    shutil.copytree(done["store_url"], store)
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()  # its pid now names a process that is gone
+    shard = next(p for p in store.rglob("*") if p.is_file() and "/amplitude/c/" in str(p))
+    killed = shard.with_name(f"{shard.name}.sfm-{HOST}-{child.pid}-0123abcd.partial")
+    live = shard.with_name(f"{shard.name}.sfm-{HOST}-{os.getpid()}-4567cdef.partial")  # e.g. a concurrent ingest
+    for p in (killed, live):
+        p.write_bytes(b"half a shard")
+    assert manifest.read(str(root)).empty  # unpublished: no reader sees the store, whole or not
+    row = ingest_survey(str(source), str(root), chunk=8)
+    assert row["status"] == "ingested" and not killed.exists() and live.exists()
+    live.unlink()
+    keys = lambda r: sorted(str(p.relative_to(r)) for p in r.rglob("*") if p.is_file())  # noqa: E731
+    assert keys(store) == keys(Path(done["store_url"]))
