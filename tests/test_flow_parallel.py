@@ -1,0 +1,146 @@
+"""The flow's pretrain step on several ranks: 2 nodes x 1 process (dp=2 x cp=1) and 1 node x 2
+processes with context parallelism (dp=1 x cp=2).
+
+One rank's process is SIGKILLed once a checkpoint exists: the step fails (within the collective
+timeout, not hanging), ``@retry`` starts it again from that checkpoint, the same rank is killed
+again, the run fails, and ``resume`` finishes it. The finished run equals a single process trained
+on the same global batch with the same seed: the loss at every step and the final weights, and
+every rank ends with identical weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from flowrun import client_view, run_flow
+from safetensors.torch import load_file
+from test_resume_flow import training_processes
+from test_train_resume import assert_close
+
+from sfm import checkpoint
+
+MAX_STEPS, EVERY, TIMEOUT_S = 30, 5, 30
+MASK_RATIO = 0.765625  # 32^3 crops of 8^3 patches keep 15 tokens (+ cls = 16): cp = 2 leaves it unchanged
+
+
+def job_toml(batch: int) -> str:
+    return f"""
+[data]
+batch_size = {batch}
+[model]
+mask_ratio = {MASK_RATIO}
+[train]
+max_steps = {MAX_STEPS}
+checkpoint_every = {EVERY}
+log_every = 5
+warmup_steps = 5
+keep_checkpoints = 2
+threads_per_process = 1
+[dist]
+timeout_s = {TIMEOUT_S}
+[eval]
+crops = 4
+batch_size = 4
+probe_train_volumes = 0
+"""
+
+
+def rank_of(pid: int) -> str | None:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    env = dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
+    return env.get("RANK") if "TORCHELASTIC_RUN_ID" in env else None
+
+
+class RankKiller(threading.Thread):
+    """SIGKILLs the rank-1 training process twice: once a first checkpoint exists, and again once
+    the retried attempt has written a newer one."""
+
+    def __init__(self, data_root: Path):
+        super().__init__(daemon=True)
+        self.data_root = data_root
+        self.kills: list[dict] = []
+        self.error: str | None = None
+        self.stop = threading.Event()
+
+    def run(self):
+        try:
+            newer_than = 0
+            for _ in range(2):
+                while not self.stop.is_set():
+                    roots = list(self.data_root.glob("checkpoints/*/ckpt"))
+                    steps = checkpoint.complete_steps(str(roots[0])) if roots else []
+                    rank1 = [p for p in training_processes(self.data_root) if rank_of(p) == "1"]
+                    if steps and steps[-1] > newer_than and rank1:
+                        os.kill(rank1[0], signal.SIGKILL)
+                        self.kills.append({"steps": steps, "pid": rank1[0], "at": time.monotonic()})
+                        newer_than = steps[-1]
+                        break
+                    time.sleep(0.02)
+        except Exception as err:  # reported by the test
+            self.error = repr(err)
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("nodes,procs,cp", [(2, 1, 1), (1, 2, 2)], ids=["2nodes-dp2", "1node-dp1xcp2"])
+def test_parallel_pretrain_survives_a_killed_rank_and_equals_one_process(nodes, procs, cp, tmp_path, metaflow_env):
+    data_root = tmp_path / "data"
+    dp = nodes * procs // cp
+    config = tmp_path / "job.toml"
+    config.write_text(job_toml(batch=8 // dp))  # global batch 8 in both layouts
+    top = {"config": [("config", str(config))]}
+
+    killer = RankKiller(data_root)
+    killer.start()
+    t0 = time.monotonic()
+    failed = run_flow(metaflow_env, cwd=str(tmp_path), top_level=top, data_root=str(data_root), nodes=nodes,
+                      procs_per_node=procs, cp=cp)
+    ended = time.monotonic()
+    killer.stop.set()
+    killer.join(10)
+    assert killer.error is None, killer.error
+    assert failed.status == "failed", "the run should fail after its retry lost a rank too"
+    assert len(killer.kills) == 2, killer.kills
+    first, second = (k["steps"][-1] for k in killer.kills)
+    assert 0 < first < second < MAX_STEPS, killer.kills
+    # the second attempt failed, and the run ended, within the collective timeout of the kill
+    # (plus the time Metaflow takes to record the failure)
+    assert ended - killer.kills[1]["at"] < TIMEOUT_S + 60, ended - killer.kills[1]["at"]
+    logs = failed.stdout + failed.stderr
+    assert "Task is starting (retry)" in logs and f"at step {first}" in logs, logs[-4000:]
+
+    resumed = run_flow(metaflow_env, cwd=str(tmp_path), resume=True)
+    assert resumed.status == "successful", resumed.stderr[-4000:]
+    view = client_view(resumed.pathspec, metaflow_env, cwd=str(tmp_path))
+    summary = view["train_summary"]
+    assert (summary["world_size"], summary["dp"], summary["cp"]) == (nodes * procs, dp, cp)
+    assert second <= summary["resumed_from_step"] < MAX_STEPS, (summary["resumed_from_step"], killer.kills)
+    assert [h["step"] for h in summary["history"]] == list(range(1, MAX_STEPS + 1))
+    digests = summary["rank_weight_digests"]
+    assert len(digests) == nodes * procs and len(set(digests)) == 1, digests
+
+    # one process, the same global batch and seed, uninterrupted
+    from sfm.launch import free_port, launch_node
+
+    run_root = Path(summary["model_url"]).parent
+    ref_config = json.loads((run_root / "job_config.json").read_text())
+    ref_config["data"]["batch_size"] = 8
+    ref_config["dist"].update(nodes=1, procs_per_node=1, cp=1)
+    ref_root = tmp_path / "reference"
+    launch_node({"config": ref_config, "surveys": view["train_stores"], "run_root": str(ref_root)}, nodes=1,
+                procs_per_node=1, node_rank=0, main_addr="127.0.0.1", main_port=free_port())
+    ref_history = json.loads((ref_root / "summary.json").read_text())["history"]
+    assert [h["loss"] for h in summary["history"]] == pytest.approx([h["loss"] for h in ref_history],
+                                                                    rel=1e-4, abs=1e-6)
+    got, ref = load_file(run_root / "final" / "model.safetensors"), load_file(ref_root / "final" / "model.safetensors")
+    assert got.keys() == ref.keys()
+    for name in ref:  # tolerance: see tests/test_train_distributed.py::assert_same_weights
+        assert_close(got[name], ref[name], name, rtol=1e-4, atol=5e-4)
