@@ -1,12 +1,13 @@
 """Ingest benchmark (issue 3): generated SEG-Y of at least 1 GB, everything measured side by side in one run.
 
-    python benchmarks/ingest.py [--gb 1.0] [--big-gb 4.0] [--repeat 2] [--workdir DIR]
+    python benchmarks/ingest.py [--gb 1.0] [--big-gb 4.0] [--repeat 2] [--workdir DIR] [--codec zstd:1]
 
 Figures (the last line printed is one JSON object with all of them):
 
 - floor: the larger of (a1) the time to read every trace of the file with segyio alone and (a2) the
   time to encode the same samples, as the store's 128^3 float32 bricks, with the store's codec on
-  all cores;
+  all cores, called as ingest calls it (``numcodecs.Blosc.encode`` with glibc keeping freed memory,
+  ``sfm.store_writer.keep_freed_memory``, as in ingest's process);
 - ingest: ``sfm.ingest.ingest_survey`` of the same file into a fresh data root (a child process;
   the time ingest_survey reports, from opening the file to the published manifest row);
   goal floor / ingest >= 0.8;
@@ -105,21 +106,27 @@ def segyio_read(path: str) -> tuple[float, float]:
     return time.perf_counter() - t0, cpu_seconds() - c0
 
 
-def encode_all_cores(path: str, shape: list[int]) -> tuple[float, float, float]:
+def encode_all_cores(path: str, shape: list[int], codec: str) -> tuple[float, float, float]:
     """(a2) the file's samples as 128^3 float32 bricks, encoded with the store's codec on all cores.
 
+    The codec is the store's (``sfm.ingest.codec_spec(codec)``: Blosc, its compressor, level, shuffle and
+    block size), called as ingest calls it, in a process whose allocator is set as ingest sets it (without
+    ``keep_freed_memory`` every 8 MB output is fresh memory: about 0.8 s more CPU per GB with zstd).
     The bricks are prepared first (not timed); returns (wall s, CPU s, compressed / raw).
     """
     import numcodecs
 
-    from sfm.ingest import AMPLITUDE_CODEC
+    from sfm.ingest import codec_spec
+    from sfm.store_writer import keep_freed_memory
 
     ni, nx, ns = shape
     record = np.dtype([("header", np.uint8, (240,)), ("data", ">f4", (ns,))])
     traces = np.memmap(path, dtype=record, mode="r", offset=3600)["data"].reshape(ni, nx, ns)
-    spec = AMPLITUDE_CODEC  # the store's codec
-    codec = numcodecs.Blosc(cname=spec["cname"], clevel=spec["clevel"], shuffle=numcodecs.Blosc.SHUFFLE,
-                            blocksize=spec["blocksize"])
+    spec = codec_spec(codec)  # the store's codec
+    shuffle = {"noshuffle": numcodecs.Blosc.NOSHUFFLE, "shuffle": numcodecs.Blosc.SHUFFLE,
+               "bitshuffle": numcodecs.Blosc.BITSHUFFLE}[spec["shuffle"]]
+    codec = numcodecs.Blosc(cname=spec["cname"], clevel=spec["clevel"], shuffle=shuffle, blocksize=spec["blocksize"])
+    keep_freed_memory()
     bricks = [np.ascontiguousarray(traces[i : i + BRICK, j : j + BRICK, k : k + BRICK], dtype=np.float32)
               for i in range(0, ni, BRICK) for j in range(0, nx, BRICK) for k in range(0, ns, BRICK)]
     del traces
@@ -150,7 +157,7 @@ INGEST_CHILD = CHILD + """
 import google_crc32c, jsonschema, numcodecs, pandas, pyarrow.parquet, zarr, zarr.codecs
 from sfm.ingest import ingest_survey
 c0 = cpu_seconds()
-row = ingest_survey(sys.argv[1], sys.argv[2])
+row = ingest_survey(sys.argv[1], sys.argv[2], codec=sys.argv[3])
 print(json.dumps({"seconds": row["seconds"], "cpu_s": cpu_seconds() - c0, "status": row["status"],
                   "store_url": row["store_url"], "timings": row["details"]["timings"], "peak_rss_mb": peak_rss_mb()}))
 """
@@ -194,7 +201,12 @@ def main() -> None:
     parser.add_argument("--big-gb", type=float, default=4.0, help="size of the input for the memory comparison")
     parser.add_argument("--repeat", type=int, default=2, help="timings are the best of this many runs")
     parser.add_argument("--workdir", default=None, help="where to put the generated files (default: a temp dir)")
+    parser.add_argument("--codec", default=None, help="the store's codec, cname[:level] (default: ingest's default)")
     args = parser.parse_args()
+    from sfm.ingest import DEFAULT_CODEC
+
+    codec = args.codec or DEFAULT_CODEC
+    load_before = os.getloadavg()
 
     work = Path(tempfile.mkdtemp(prefix="sfm-bench-ingest-", dir=args.workdir))
     try:
@@ -213,12 +225,12 @@ def main() -> None:
             w, c = segyio_read(path)
             wall["segyio_read_s"].append(w)
             cpu["segyio_read_s"].append(c)
-            w, c, ratio = encode_all_cores(path, small["shape"])
+            w, c, ratio = encode_all_cores(path, small["shape"], codec)
             wall["encode_all_cores_s"].append(w)
             cpu["encode_all_cores_s"].append(c)
             warm(path)
             root = work / f"root-{rep}"
-            child = run_child(INGEST_CHILD, path, str(root))
+            child = run_child(INGEST_CHILD, path, str(root), codec)
             wall["ingest_s"].append(child["seconds"])
             cpu["ingest_s"].append(child["cpu_s"])
             rss_small.append(child["peak_rss_mb"])
@@ -235,7 +247,7 @@ def main() -> None:
                   + json.dumps(child["timings"]), flush=True)
 
         warm(big["path"])
-        big_run = run_child(INGEST_CHILD, big["path"], str(work / "root-big"))
+        big_run = run_child(INGEST_CHILD, big["path"], str(work / "root-big"), codec)
         shutil.rmtree(work / "root-big")
         print(f"big: ingest {big_run['seconds']:.2f}s, rss {big_run['peak_rss_mb']:.0f} MB", flush=True)
 
@@ -252,7 +264,8 @@ def main() -> None:
         result = {
             "input_gb": round(small["bytes"] / 1e9, 3), "input_shape": small["shape"],
             "big_input_gb": round(big["bytes"] / 1e9, 3), "big_input_shape": big["shape"],
-            "cores": cores, "repeat": args.repeat,
+            "cores": cores, "repeat": args.repeat, "codec": codec,
+            "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
             **{k: round(v, 3) for k, v in best.items()},
             "codec_ratio": round(ratio, 3),
             "floor_s": round(floor, 3),

@@ -368,21 +368,6 @@ def test_codec_is_configurable(tmp_path, codec):
         ingest_survey(str(tmp_path / "c.sgy"), str(tmp_path / "root"), codec="gzip")
 
 
-@pytest.mark.parametrize("cname", ["zstd", "lz4"])
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_blosc_encoder_gives_numcodecs_bytes(cname, dtype):
-    import numcodecs
-
-    from sfm.store_writer import BloscEncoder
-
-    brick = np.ascontiguousarray((cases.volume((16, 16, 64), seed=1) * 100).astype(dtype))
-    encoder = BloscEncoder(cname, 1, numcodecs.Blosc.SHUFFLE, 1 << 20)
-    out = encoder.out_buffer(brick.nbytes)
-    n = encoder.encode_into(brick, out)
-    reference = numcodecs.Blosc(cname=cname, clevel=1, shuffle=numcodecs.Blosc.SHUFFLE, blocksize=1 << 20)
-    assert bytes(out[:n]) == reference.encode(brick)
-
-
 def test_flow_defaults_detect_byte_locations_and_write_128_bricks(tmp_path):
     from sfm.config import JobConfig
     from sfm.pipeline import ingest
