@@ -1,6 +1,6 @@
 """Streaming benchmark (issue 4): crops from S3 servers on loopback, side by side in one run.
 
-    python benchmarks/stream.py [--shape 256 256 256] [--batch 8] [--batches 6] [--rounds 3]
+    python benchmarks/stream.py [--shape 256 256 256] [--batch 8] [--batches 12] [--rounds 3]
 
 One synthetic survey (sfm.synth) is ingested by sfm.ingest into a temporary data root on each of two
 S3 servers started here on loopback: ``moto_server`` (Python, in memory) and ``rclone serve s3``
@@ -198,16 +198,33 @@ def loader_trial(stream, batches: int, server: Server) -> dict:
         for _ in range(batches):
             nbytes += next(stream).numel() * 4
 
+    http0 = http_client_cpu_seconds()
     _, seconds, client_cpu, server_cpu = timed(run, server)
+    http = http_client_cpu_seconds() - http0
     after = stream.sampler.fetch_stats()
     fetched = after["bytes_fetched"] - before["bytes_fetched"]
     requests = after["requests"] - before["requests"]
     crops = batches * stream.dataset.batch_size
+    gb = max(fetched / 1e9, 1e-9)
     return {"fetched_bytes_per_s": fetched / seconds, "delivered_bytes_per_s": nbytes / seconds,
             "delivered_over_fetched": nbytes / fetched if fetched else None, "requests_per_crop": requests / crops,
             "bytes_per_request": fetched / max(1, requests), "retries": after["retries"] - before["retries"],
-            "client_cpu_s_per_gb": client_cpu / max(fetched / 1e9, 1e-9),
-            "server_cpu_s_per_gb": server_cpu / max(fetched / 1e9, 1e-9), "seconds": seconds}
+            "client_cpu_s_per_gb": client_cpu / gb, "obstore_http_cpu_s_per_gb": http / gb,
+            "server_cpu_s_per_gb": server_cpu / gb, "seconds": seconds}
+
+
+def http_client_cpu_seconds() -> float:
+    """CPU seconds of this process's obstore HTTP threads (tokio's runtime), to split the loader's CPU
+    into the HTTP client (what raw GETs cost too) and the rest (decode, normalise, Python)."""
+    total = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            if Path(f"/proc/self/task/{task}/comm").read_text().startswith("tokio"):
+                fields = Path(f"/proc/self/task/{task}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+        except OSError:  # the thread ended
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def settle(stream) -> None:
@@ -369,7 +386,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", type=int, nargs=3, default=[256, 256, 256])
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--batches", type=int, default=6, help="batches per loader trial")
+    parser.add_argument("--batches", type=int, default=12, help="batches per loader trial")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--raw-mb", type=float, default=256, help="bytes per raw trial")
     parser.add_argument("--train-steps", type=int, default=2)
@@ -409,6 +426,7 @@ def main() -> int:
                 "loader_batches_per_s": loader_batches_per_s,
                 "loader_over_train": loader_batches_per_s / train["batches_per_s"],
                 "loader_client_cpu_s_per_gb": main_store["loader"]["client_cpu_s_per_gb"],
+                "loader_obstore_http_cpu_s_per_gb": main_store["loader"]["obstore_http_cpu_s_per_gb"],
                 "decode_cpu_s_per_gb": main_store["cpu_breakdown"]["decode_cpu_s_per_gb"],
                 "server_cpu_s_per_gb": main_store["loader"]["server_cpu_s_per_gb"],
                 "cores_for_reference_node":
