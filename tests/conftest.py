@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 # torch must be imported before metaflow.Runner loads the flow in this process: Metaflow's vendored
-# typing_extensions changes typing's generics in a way torch's import then trips over.
+# typing_extensions changes typing's generics in a way torch's import then trips over. That holds
+# for torch's lazily imported modules too (torch.testing pulls in torch.distributed.tensor).
 import torch  # noqa: F401
+import torch.distributed.tensor  # noqa: F401
 
 PROJECT = Path(__file__).resolve().parents[1]
 SEGY_DIR = PROJECT.parent / "shared" / "data" / "segy"
