@@ -83,10 +83,13 @@ def survey_store_url(data_root: str, survey_id: str) -> str:
 
 
 def survey_name(url: str) -> str:
+    """The survey's display name: the file name without its SEG-Y suffix. Control characters (a
+    newline in a landing file's name would forge log lines) become ``_``."""
     base = str(url).rstrip("/").rsplit("/", 1)[-1]
     for suffix in (".sgy", ".segy", ".SGY", ".SEGY"):
         if base.endswith(suffix):
             base = base[: -len(suffix)]
+    base = "".join("_" if ord(ch) < 32 or ord(ch) == 127 else ch for ch in base)
     return base or "survey"
 
 

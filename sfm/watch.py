@@ -4,7 +4,7 @@ One pass (:func:`watch_once`):
 
 1. take the watcher lease ``<data-root>/watch/lock.json`` (one pass at a time over a data root);
 2. list the SEG-Y files (``.sgy``/``.segy``) in the landing prefix and find each one's content
-   digest, the ``survey_id`` ingest gives it (``sha256``-based, see :func:`sfm.segy.file_digest`);
+   digest, the ``survey_id`` ingest gives it (BLAKE3-based, see :func:`sfm.segy.file_digest`);
    digests are cached by (URL, size, ETag/mtime), so a file is read once, not on every pass;
 3. a file is *new* when its survey is neither in the manifest nor already handled by the watcher;
    a new file that is not readable SEG-Y is quarantined at once (moved to

@@ -209,7 +209,9 @@ def test_odd_landing_file_names_stay_inside_the_data_root_locally(tmp_path, segy
     from sfm import manifest
 
     rows = manifest.read(str(data))
-    assert "line\nbreak" in set(rows["name"])  # the name is kept as metadata only; paths come from the content hash
+    # the name is metadata only (paths come from the content hash), with control characters replaced:
+    # a newline in a landing file's name must not forge a line in the flow's log
+    assert "line_break" in set(rows["name"]) and not any("\n" in n for n in rows["name"])
     assert all(re.fullmatch(r"[0-9a-f]{16}", sid) for sid in rows["survey_id"])
 
 
