@@ -137,9 +137,9 @@ def _job_config(args: argparse.Namespace):
     from sfm.config import JobConfig
 
     cfg = JobConfig.from_toml(args.config or None, args.overrides)
-    if getattr(args, "cp", 0):
+    if args.cp:
         cfg.set("dist.cp", args.cp)
-    if getattr(args, "strategy", ""):
+    if args.strategy:
         cfg.set("dist.strategy", args.strategy)
     return cfg
 

@@ -16,7 +16,7 @@ from typing import Any
 from sfm.errors import SFMError
 
 DEFAULT_TOML = Path(__file__).with_name("default.toml")
-STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")  # dist.strategy (same as sfm.parallelize.STRATEGIES)
+STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")  # dist.strategy: what sfm.parallelize applies
 
 
 @dataclass
@@ -168,8 +168,9 @@ class JobConfig:
             cfg.set(key.strip(), _parse_literal(value.strip()))
         return cfg
 
-    def check_parallelism(self) -> None:
-        """Refuse a [dist] section no run could train with, before anything starts."""
+    def check_parallelism(self, world: int | None = None) -> None:
+        """Refuse a [dist] section no run could train with, before anything starts. ``world``: the
+        number of training processes (default: nodes x procs_per_node)."""
         d = self.dist
         if d.strategy == "deepspeed-zero2":
             raise SFMError("dist.strategy = deepspeed-zero2 is not available in this release; use fsdp2-zero2 "
@@ -181,10 +182,10 @@ class JobConfig:
         if d.cp > 1 and d.strategy != "ddp":
             raise SFMError(f"dist.cp = {d.cp} runs with dist.strategy = ddp (data parallel over the dp x cp mesh); "
                            f"{d.strategy} with context parallelism is not supported yet")
-        world = d.nodes * d.procs_per_node
+        world = d.nodes * d.procs_per_node if world is None else world
         if world % d.cp:
-            raise SFMError(f"dist.cp = {d.cp} does not divide the {world} training processes ({d.nodes} node(s) x "
-                           f"{d.procs_per_node}); choose a cp that divides it")
+            raise SFMError(f"dist.cp = {d.cp} does not divide the {world} training processes (nodes x processes per "
+                           "node); choose a cp that divides it")
 
     def set(self, dotted: str, value: Any) -> None:
         section_name, _, key = dotted.partition(".")

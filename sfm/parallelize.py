@@ -37,8 +37,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from sfm import storage
+from sfm.config import STRATEGIES
 
-STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")
 RESHARD_AFTER_FORWARD = {"fsdp2-zero2": False, "fsdp2-full": True}
 
 

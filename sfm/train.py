@@ -69,9 +69,7 @@ class Layout(NamedTuple):
 
     @classmethod
     def of(cls, rank: int, world: int, cp: int) -> "Layout":
-        if cp < 1 or world % cp:
-            raise SFMError(f"dist.cp = {cp} does not divide the {world} training processes (nodes x procs per "
-                           "node); choose a cp that divides it")
+        """cp must divide world (JobConfig.check_parallelism)."""
         return cls(world, world // cp, cp, rank // cp, rank % cp)
 
 
@@ -122,7 +120,6 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
     from accelerate.utils import InitProcessGroupKwargs
 
     cfg = JobConfig.from_dict(job["config"])
-    cfg.check_parallelism()
     run_root = job["run_root"]
     cuda = torch.cuda.is_available()
     precision = cfg.train.mixed_precision if cfg.train.mixed_precision != "auto" else ("bf16" if cuda else "no")
@@ -140,6 +137,7 @@ def train(job: dict[str, Any]) -> dict[str, Any] | None:
     rank, world = accelerator.process_index, accelerator.num_processes
     main = accelerator.is_main_process
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
+    cfg.check_parallelism(world)  # the processes torchrun started, whatever the config says
     layout = Layout.of(rank, world, cfg.dist.cp)
     h = cfg.health
     watchdog = Watchdog(h.step_timeout_s, first_timeout_s=h.first_step_timeout_s).start()
@@ -182,7 +180,7 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
     # the module the step runs: the model, in a context-parallel shell, under the dp strategy
     slab = None
     step_model: torch.nn.Module = model
-    tokens = math.prod(c // p for c, p in zip(mcfg.crop, mcfg.patch))  # patches per crop
+    tokens = mcfg.num_patches  # patches per crop
     if layout.cp > 1:
         from sfm.context_parallel import ContextParallelMAE, cp_kept_tokens, crop_slab
 
@@ -259,9 +257,10 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
         every = torch.rand(layout.dp * n, tokens, generator=noise_gen, device=accelerator.device)
         return every[layout.dp_rank * n:(layout.dp_rank + 1) * n]
 
+    reduce_sum = (lambda t: accelerator.reduce(t, "sum")) if world > 1 else None
+
     def all_finite(losses: torch.Tensor, norm: torch.Tensor) -> bool:
-        reduce = (lambda t: accelerator.reduce(t, "sum")) if world > 1 else None
-        return all_ranks_finite(losses, norm, reduce=reduce)
+        return all_ranks_finite(losses, norm, reduce=reduce_sum)
 
     train_step = TrainStep(
         step_model, optimizer, scheduler, grad_clip=cfg.train.grad_clip, autocast=accelerator.autocast,
