@@ -8,13 +8,12 @@ slab stream resumes like a whole-crop stream.
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from crop_stores import survey_with_holes
+from test_data import stream, surveys  # noqa: F401 (surveys: the same two holed surveys, a fixture)
 from sfm import data
 from sfm.config import JobConfig
 from sfm.context_parallel import crop_slab
@@ -24,18 +23,9 @@ SQUARE = (24, 24, 16)  # D == H, so swap is drawn
 PATCH = (4, 4, 4)
 
 
-@pytest.fixture(scope="module")
-def surveys(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("slabs")
-    root = str(tmp / "root")
-    a_url, _, _ = survey_with_holes(tmp, root, shape=(48, 40, 64), seed=0)
-    b_url, _, _ = survey_with_holes(tmp, root, shape=(40, 40, 48), seed=1)
-    return SimpleNamespace(urls=[a_url, b_url])
-
-
-def slab_stream(urls, slab=None, *, batch=3, rank=0, world=1, workers=0, **sampler_kw):
-    sampler = data.CropSampler(urls, sampler_kw.pop("crop", SQUARE), slab=slab, **sampler_kw)
-    return data.BatchStream(data.CropDataset(sampler, batch, rank, world), workers=workers)
+def slab_stream(urls, slab=None, *, batch=3, **kw):
+    """test_data's stream of SQUARE crops (unless ``crop`` is given), reading only ``slab``."""
+    return stream(urls, batch=batch, slab=slab, crop=kw.pop("crop", SQUARE), **kw)
 
 
 def take(s: data.BatchStream, n: int) -> list[torch.Tensor]:

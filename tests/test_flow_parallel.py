@@ -11,19 +11,14 @@ every rank ends with identical weights.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
 from flowrun import client_view, run_flow
 from safetensors.torch import load_file
-from test_resume_flow import training_processes
+from test_resume_flow import Killer, run_killed_twice
+from test_train_distributed import env_of
 from test_train_resume import assert_close
-
-from sfm import checkpoint
 
 MAX_STEPS, EVERY, TIMEOUT_S = 30, 5, 30
 MASK_RATIO = 0.765625  # 32^3 crops of 8^3 patches keep 15 tokens (+ cls = 16): cp = 2 leaves it unchanged
@@ -51,42 +46,13 @@ probe_train_volumes = 0
 """
 
 
-def rank_of(pid: int) -> str | None:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    env = dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
-    return env.get("RANK") if "TORCHELASTIC_RUN_ID" in env else None
-
-
-class RankKiller(threading.Thread):
-    """SIGKILLs the rank-1 training process twice: once a first checkpoint exists, and again once
-    the retried attempt has written a newer one."""
-
-    def __init__(self, data_root: Path):
-        super().__init__(daemon=True)
-        self.data_root = data_root
-        self.kills: list[dict] = []
-        self.error: str | None = None
-        self.stop = threading.Event()
-
-    def run(self):
-        try:
-            newer_than = 0
-            for _ in range(2):
-                while not self.stop.is_set():
-                    roots = list(self.data_root.glob("checkpoints/*/ckpt"))
-                    steps = checkpoint.complete_steps(str(roots[0])) if roots else []
-                    rank1 = [p for p in training_processes(self.data_root) if rank_of(p) == "1"]
-                    if steps and steps[-1] > newer_than and rank1:
-                        os.kill(rank1[0], signal.SIGKILL)
-                        self.kills.append({"steps": steps, "pid": rank1[0], "at": time.monotonic()})
-                        newer_than = steps[-1]
-                        break
-                    time.sleep(0.02)
-        except Exception as err:  # reported by the test
-            self.error = repr(err)
+def rank1(pids: list[int]) -> list[int]:
+    """The rank-1 training process among ``pids`` (torchrun's workers carry RANK in their environment)."""
+    for pid in pids:
+        env = env_of(pid)
+        if "TORCHELASTIC_RUN_ID" in env and env.get("RANK") == "1":  # a worker, not the torchrun launcher
+            return [pid]
+    return []
 
 
 @pytest.mark.timeout(1500)
@@ -98,19 +64,10 @@ def test_parallel_pretrain_survives_a_killed_rank_and_equals_one_process(nodes, 
     config.write_text(job_toml(batch=8 // dp))  # global batch 8 in both layouts
     top = {"config": [("config", str(config))]}
 
-    killer = RankKiller(data_root)
-    killer.start()
-    t0 = time.monotonic()
-    failed = run_flow(metaflow_env, cwd=str(tmp_path), top_level=top, data_root=str(data_root), nodes=nodes,
-                      procs_per_node=procs, cp=cp)
-    ended = time.monotonic()
-    killer.stop.set()
-    killer.join(10)
-    assert killer.error is None, killer.error
-    assert failed.status == "failed", "the run should fail after its retry lost a rank too"
-    assert len(killer.kills) == 2, killer.kills
-    first, second = (k["steps"][-1] for k in killer.kills)
-    assert 0 < first < second < MAX_STEPS, killer.kills
+    killer = Killer(data_root, pick=rank1)  # one rank of the job, twice
+    failed, first, second, ended = run_killed_twice(killer, metaflow_env, tmp_path, top, last_step=MAX_STEPS,
+                                                    data_root=str(data_root), nodes=nodes, procs_per_node=procs,
+                                                    cp=cp)
     # the second attempt failed, and the run ended, within the collective timeout of the kill
     # (plus the time Metaflow takes to record the failure)
     assert ended - killer.kills[1]["at"] < TIMEOUT_S + 60, ended - killer.kills[1]["at"]

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from flowrun import client_view, run_flow
@@ -64,11 +65,13 @@ def training_processes(data_root: Path) -> list[int]:
 
 class Killer(threading.Thread):
     """Kills the training processes twice: once a first checkpoint exists, and again once the
-    retried attempt has written a newer one. Records what it saw."""
+    retried attempt has written a newer one. Records what it saw. ``pick`` chooses which of the
+    run's training processes to kill (default: all of them)."""
 
-    def __init__(self, data_root: Path):
+    def __init__(self, data_root: Path, pick: Callable[[list[int]], list[int]] = lambda pids: pids):
         super().__init__(daemon=True)
         self.data_root = data_root
+        self.pick = pick
         self.kills: list[dict] = []
         self.error: str | None = None
         self.stop = threading.Event()
@@ -84,16 +87,34 @@ class Killer(threading.Thread):
                 while not self.stop.is_set():
                     root = self.ckpt_root()
                     steps = checkpoint.complete_steps(root) if root else []
-                    pids = training_processes(self.data_root)
+                    pids = self.pick(training_processes(self.data_root))
                     if steps and steps[-1] > newer_than and pids:
                         for pid in pids:
                             os.kill(pid, signal.SIGKILL)
-                        self.kills.append({"steps": checkpoint.complete_steps(root), "pids": pids})
+                        self.kills.append({"steps": checkpoint.complete_steps(root), "pids": pids,
+                                           "at": time.monotonic()})
                         newer_than = self.kills[-1]["steps"][-1]
                         break
                     time.sleep(0.02)
         except Exception as err:  # reported by the test
             self.error = repr(err)
+
+
+def run_killed_twice(killer: Killer, env: dict, tmp_path: Path, top: dict, *, last_step: int = MAX_STEPS, **params):
+    """Run the flow while ``killer`` kills its training twice; the run must fail after two kills at
+    increasing checkpoints before ``last_step``. Returns the failed run, the two checkpoint steps and
+    when the run ended."""
+    killer.start()
+    failed = run_flow(env, cwd=str(tmp_path), top_level=top, **params)
+    ended = time.monotonic()
+    killer.stop.set()
+    killer.join(10)
+    assert killer.error is None, killer.error
+    assert failed.status == "failed", "the run should fail after its retry was killed too"
+    assert len(killer.kills) == 2, killer.kills
+    first, second = (k["steps"][-1] for k in killer.kills)
+    assert 0 < first < second < last_step, killer.kills
+    return failed, first, second, ended
 
 
 @pytest.mark.timeout(900)
@@ -104,15 +125,7 @@ def test_killed_pretrain_retries_then_resumes_to_the_uninterrupted_weights(tmp_p
     top = {"config": [("config", str(config))]}
 
     killer = Killer(data_root)
-    killer.start()
-    failed = run_flow(metaflow_env, cwd=str(tmp_path), top_level=top, data_root=str(data_root))
-    killer.stop.set()
-    killer.join(10)
-    assert killer.error is None, killer.error
-    assert failed.status == "failed", "the run should fail after its retry was killed too"
-    assert len(killer.kills) == 2, killer.kills
-    first, second = (k["steps"][-1] for k in killer.kills)
-    assert 0 < first < second < MAX_STEPS, killer.kills
+    failed, first, second, _ = run_killed_twice(killer, metaflow_env, tmp_path, top, data_root=str(data_root))
     logs = failed.stdout + failed.stderr
     # attempt 1 (the @retry) continued from a checkpoint of attempt 0, it did not start over
     assert "Task is starting (retry)" in logs

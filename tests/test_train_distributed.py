@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train_resume import assert_close, final_weights, make_job
+from test_train_resume import assert_close, final_weights, make_job, make_survey_store
 
 from sfm import checkpoint
 from sfm.launch import free_port
@@ -32,12 +32,7 @@ MASK_RATIO = 0.765625
 
 @pytest.fixture(scope="module")
 def survey_store(tmp_path_factory) -> str:
-    from sfm.ingest import ingest_survey
-    from sfm.synth import synth_survey
-
-    tmp = tmp_path_factory.mktemp("survey")
-    synth_survey(str(tmp / "s.sgy"), shape=(48, 48, 64), seed=5)
-    return ingest_survey(str(tmp / "s.sgy"), str(tmp / "root"), chunk=32)["store_url"]
+    return make_survey_store(tmp_path_factory, seed=5)
 
 
 def job_for(store: str, run_root: Path, *, procs: int, batch: int, strategy: str = "ddp", cp: int = 1) -> dict:
@@ -159,7 +154,7 @@ def test_a_killed_rank_fails_the_job_within_the_collective_timeout(survey_store,
     while not checkpoint.complete_steps(ckpt):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
-    rank1 = [pid for pid in _children(proc.pid) if _env_of(pid).get("RANK") == "1"]
+    rank1 = [pid for pid in _children(proc.pid) if env_of(pid).get("RANK") == "1"]
     assert len(rank1) == 1, rank1
     os.kill(rank1[0], signal.SIGKILL)
     killed_at = time.monotonic()
@@ -183,7 +178,8 @@ def _children(pid: int) -> list[int]:
     return [p.pid for p in psutil.Process(pid).children(recursive=True)]
 
 
-def _env_of(pid: int) -> dict[str, str]:
+def env_of(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` started with ({} once it is gone)."""
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:

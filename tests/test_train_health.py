@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train_resume import final_weights, make_job
+from test_train_resume import final_weights, make_job, make_survey_store
 
 from sfm import checkpoint, health
 
@@ -27,12 +27,7 @@ PROJECT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def survey_store(tmp_path_factory) -> str:
-    from sfm.ingest import ingest_survey
-    from sfm.synth import synth_survey
-
-    tmp = tmp_path_factory.mktemp("survey")
-    synth_survey(str(tmp / "s.sgy"), shape=(48, 48, 64), seed=9)
-    return ingest_survey(str(tmp / "s.sgy"), str(tmp / "root"), chunk=32)["store_url"]
+    return make_survey_store(tmp_path_factory, seed=9)
 
 
 def job_for(store: str, run_root: Path, steps: int, **health_cfg) -> dict:

@@ -25,15 +25,19 @@ MAX_STEPS, EVERY = 40, 5
 PROJECT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def survey_store(tmp_path_factory) -> str:
-    """One small synthetic survey, ingested into a Zarr store."""
+def make_survey_store(tmp_path_factory, seed: int) -> str:
+    """One small synthetic survey (48 x 48 x 64), ingested into a Zarr store of 32^3 bricks."""
     from sfm.ingest import ingest_survey
     from sfm.synth import synth_survey
 
     tmp = tmp_path_factory.mktemp("survey")
-    synth_survey(str(tmp / "s.sgy"), shape=(48, 48, 64), seed=3)
+    synth_survey(str(tmp / "s.sgy"), shape=(48, 48, 64), seed=seed)
     return ingest_survey(str(tmp / "s.sgy"), str(tmp / "root"), chunk=32)["store_url"]
+
+
+@pytest.fixture(scope="module")
+def survey_store(tmp_path_factory) -> str:
+    return make_survey_store(tmp_path_factory, seed=3)
 
 
 def make_job(store: str, run_root: str) -> dict:
