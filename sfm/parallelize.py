@@ -13,6 +13,13 @@ Strategies (``[dist] strategy`` in the job config):
 
 ``deepspeed-zero2`` is not offered: fsdp2-zero2 gives the same sharding with PyTorch alone.
 
+On gloo (CPU) FSDP2 has no streams to overlap communication with compute: every all-gather and
+reduce-scatter blocks the one compute thread. :class:`OverlappedAllGather` and
+:class:`OverlappedReduceScatter` restore the overlap CUDA streams give on NCCL: each unit's forward
+all-gather is issued while the previous unit computes (explicit forward prefetch), and gradient
+reduce-scatters run in gloo's background thread while backward continues, waited for at the end of
+backward (as DDP waits for its buckets). NCCL keeps FSDP2's own stream-based collectives.
+
 The sharding unit is one transformer block (encoder and decoder); the root module holds the rest
 (patch embedding, tokens, norms, decoder embedding and head). Call :func:`apply_strategy` after
 moving the model to its device and before building the optimiser (FSDP2 replaces parameters with
@@ -34,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGather, ReduceScatter
 from torch.nn.parallel import DistributedDataParallel
 
 from sfm import storage
@@ -70,10 +78,90 @@ def apply_strategy(model: nn.Module, strategy: str, mesh: DeviceMesh | None = No
                                        process_group=mesh.get_group())
     reshard = RESHARD_AFTER_FORWARD[strategy]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-    for unit in (sharding_units(model) if units is None else units):
+    units = list(sharding_units(model) if units is None else units)
+    for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    if dist.get_backend(mesh.get_group()) == "gloo":
+        overlap_gloo_communication(model, units)
     return model
+
+
+class OverlappedAllGather(AllGather):
+    """FSDP2's parameter all-gather, always issued asynchronously: FSDP waits on the returned work
+    right before it copies the parameters out, so a prefetched all-gather overlaps the compute before it."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work:
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
+
+
+class OverlappedReduceScatter(ReduceScatter):
+    """FSDP2's gradient reduce-scatter of one unit, left running while backward continues.
+
+    FSDP2 hands the output buffer over as the unit's sharded gradients without reading it when it
+    reduces in float32 or bfloat16 (no post-division), so the reduction may finish later:
+    the first call of a backward queues an end-of-backward callback that waits for all of them. When
+    the unit's parameters already hold gradients (accumulation across backwards without zeroing),
+    FSDP2 adds the output to them at once, so that call waits before returning.
+    """
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False) -> dist.Work | None:
+        work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=True)
+        reads_output_now = (output_tensor.dtype not in (torch.float32, torch.bfloat16)
+                            or any(p.grad is not None for p in self.params))
+        if reads_output_now or not _PENDING.defer(work):
+            work.wait()
+        return None
+
+
+class _PendingReductions:
+    """Reductions in flight in the current backward, waited for by one end-of-backward callback."""
+
+    def __init__(self) -> None:
+        self.works: list[dist.Work] = []
+
+    def defer(self, work: dist.Work) -> bool:
+        """Keep ``work`` for the end of the running backward; False outside a backward."""
+        if not self.works:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self.wait)
+            except RuntimeError:  # not inside a backward pass
+                return False
+        self.works.append(work)
+        return True
+
+    def wait(self) -> None:
+        works, self.works = self.works, []
+        for work in works:
+            work.wait()
+
+
+_PENDING = _PendingReductions()
+
+
+def overlap_gloo_communication(model: nn.Module, units: list[nn.Module]) -> None:
+    """Give an FSDP2 ``model`` (sharded as ``units`` + root, over gloo) the overlapped collectives
+    above, and have each unit prefetch the next unit's parameters in forward (the units are in
+    forward order, as :func:`sharding_units` lists them)."""
+    owned_by_unit = {id(p) for unit in units for p in unit.parameters()}
+    for module in [*units, model]:
+        own = list(module.parameters()) if module is not model else \
+            [p for p in model.parameters() if id(p) not in owned_by_unit]
+        module.set_custom_all_gather(OverlappedAllGather())
+        module.set_custom_reduce_scatter(OverlappedReduceScatter(own))
+    for unit, following in zip(units, units[1:]):
+        unit.set_modules_to_forward_prefetch([following])
 
 
 def unwrap(model: nn.Module) -> nn.Module:

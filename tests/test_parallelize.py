@@ -146,3 +146,46 @@ def test_strategies_on_two_processes_match_one_process(tmp_path, s3_env):
 def test_unknown_strategy():
     with pytest.raises(ValueError, match="unknown strategy 'zero3'"):
         parallelize.apply_strategy(make_model(), "zero3")
+
+
+def overlap_worker(rank: int, port: int, out_dir: str) -> None:
+    """fsdp2-zero2 on gloo: how far the deferred reduce-scatters have got when backward reaches the
+    patch embedding (the last module it visits), and the gradients of two synced backwards without
+    zeroing in between (FSDP2 adds each reduced shard to the held gradient at once)."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=dt.timedelta(seconds=120))
+    try:
+        model = parallelize.apply_strategy(make_model(), "fsdp2-zero2")
+        in_flight = []
+        model.patch_embed.register_full_backward_pre_hook(
+            lambda *_: in_flight.append(len(parallelize._PENDING.works)))
+        per_rank = GLOBAL_BATCH // WORLD
+        for step in range(2):
+            torch.manual_seed(step)
+            loss, _, _ = model(global_batch(step)[rank * per_rank:(rank + 1) * per_rank])
+            loss.backward()
+            in_flight.append(len(parallelize._PENDING.works))
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    torch.save({"in_flight": in_flight, "grads": grads}, Path(out_dir, f"overlap{rank}.pt"))
+
+
+@pytest.mark.timeout(200)
+def test_fsdp2_on_gloo_overlaps_reductions_with_backward_and_accumulates_exactly(tmp_path):
+    mp.spawn(overlap_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    got = torch.load(tmp_path / "overlap0.pt")
+    # first backward: block reductions still in flight when backward reaches the patch embedding,
+    # none left once backward returns; the second (gradients held) reduces each unit at once
+    assert got["in_flight"][0] >= len(parallelize.sharding_units(make_model())) - 2 and got["in_flight"][1] == 0
+    assert got["in_flight"][2:] == [0, 0]
+    model = make_model()
+    per_rank = GLOBAL_BATCH // WORLD
+    for step in range(2):  # one process, each rank's half as its own micro-batch, averaged as DP does
+        for rank in range(WORLD):
+            torch.manual_seed(step)
+            loss, _, _ = model(global_batch(step)[rank * per_rank:(rank + 1) * per_rank])
+            (loss / WORLD).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
