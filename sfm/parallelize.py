@@ -152,16 +152,16 @@ _PENDING = _PendingReductions()
 
 def overlap_gloo_communication(model: nn.Module, units: list[nn.Module]) -> None:
     """Give an FSDP2 ``model`` (sharded as ``units`` + root, over gloo) the overlapped collectives
-    above, and have each unit prefetch the next unit's parameters in forward (the units are in
-    forward order, as :func:`sharding_units` lists them)."""
+    above, and have the root and each unit prefetch the next unit's parameters in forward (the units
+    are in forward order, as :func:`sharding_units` lists them)."""
     owned_by_unit = {id(p) for unit in units for p in unit.parameters()}
     for module in [*units, model]:
         own = list(module.parameters()) if module is not model else \
             [p for p in model.parameters() if id(p) not in owned_by_unit]
         module.set_custom_all_gather(OverlappedAllGather())
         module.set_custom_reduce_scatter(OverlappedReduceScatter(own))
-    for unit, following in zip(units, units[1:]):
-        unit.set_modules_to_forward_prefetch([following])
+    for module, following in zip([model, *units], units):  # the root computes first (patch embedding)
+        module.set_modules_to_forward_prefetch([following])
 
 
 def unwrap(model: nn.Module) -> nn.Module:
