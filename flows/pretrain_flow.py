@@ -41,9 +41,9 @@ def user_errors():
 class PretrainFlow(FlowSpec):
     config = Config("config", default=str(DEFAULT_TOML), parser=tomllib.loads,
                     help="TOML job config (see sfm/default.toml); the parameters below override it")
-    surveys = Parameter("surveys", default="", help="comma-separated SEG-Y URLs (local or s3://); "
+    surveys = Parameter("surveys", default="", help="comma-separated SEG-Y URLs (local or s3://), or a JSON list; "
                         "empty: generate three synthetic demo surveys into <data-root>/landing")
-    held_out = Parameter("held-out", default="", help="comma-separated SEG-Y URLs evaluated but never trained on "
+    held_out = Parameter("held-out", default="", help="SEG-Y URLs (as --surveys) evaluated but never trained on "
                          "(default: the last of --surveys)")
     data_root = Parameter("data-root", default="sfm_data", help="local path or s3://bucket/prefix for all outputs")
     preset = Parameter("preset", default="", help="model preset (tiny|small|base|large|huge); default: config's")

@@ -40,10 +40,6 @@ def job_config(config: dict | None, *, preset: str = "", max_steps: int = 0, nod
     return cfg
 
 
-def split_urls(text: str) -> list[str]:
-    return [part.strip() for part in str(text or "").split(",") if part.strip()]
-
-
 def plan_surveys(surveys: str, held_out: str, data_root: str) -> list[dict[str, Any]]:
     """The surveys to ingest, each {"url", "held_out"}; generates the demo surveys when none are named.
 
@@ -52,7 +48,7 @@ def plan_surveys(surveys: str, held_out: str, data_root: str) -> list[dict[str, 
     """
     from sfm.segy import BINARY_HEADER_BYTES, TEXT_HEADER_BYTES, layout_from_header
 
-    train_urls, held_urls = split_urls(surveys), split_urls(held_out)
+    train_urls, held_urls = storage.split_urls(surveys), storage.split_urls(held_out)
     if not train_urls:
         if held_urls:
             raise SFMError("--held-out was given without --surveys; name the training surveys too")

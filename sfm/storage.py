@@ -24,6 +24,7 @@ a temporary name followed by ``os.replace``), so a reader sees either nothing or
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -313,3 +314,24 @@ def read_head(url: str, nbytes: int) -> tuple[bytes, int]:
         return fs.cat_file(path, start=0, end=min(nbytes, size)), size
     except FileNotFoundError as err:
         raise SFMError(f"{url} does not exist. Check the path or URL.") from err
+
+
+def split_urls(text: str) -> list[str]:
+    """The URLs of a ``--surveys`` / ``--held-out`` value: comma-separated, or a JSON list (for names
+    that contain commas; :func:`join_urls` writes one when needed)."""
+    text = str(text or "").strip()
+    if text.startswith("["):
+        try:
+            urls = json.loads(text)
+        except ValueError:
+            urls = None
+        if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+            raise SFMError(f"survey list {text[:80]!r} starts with '[' but is not a JSON list of URLs; "
+                           "give comma-separated URLs or a JSON list of strings")
+        return [u.strip() for u in urls if u.strip()]
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def join_urls(urls: list[str]) -> str:
+    """The inverse of :func:`split_urls`: comma-separated, or a JSON list if a URL contains a comma."""
+    return json.dumps(list(urls)) if any("," in u for u in urls) else ",".join(urls)

@@ -367,7 +367,7 @@ def run_plan(opts: WatchOptions) -> dict[str, Any]:
             path = os.path.join(tmp, "champion.toml")
             Path(path).write_text(_toml(record["config"]))
         cfg = JobConfig.from_toml(path or None, opts.overrides)
-    held_out = [u.strip() for u in opts.held_out.split(",") if u.strip()]
+    held_out = storage.split_urls(opts.held_out)
     if not held_out and record is not None:
         rows = manifest.read(opts.data_root)
         sources = dict(zip(rows["store_url"], rows["source_url"]))
@@ -389,14 +389,20 @@ def attribute_failure(stderr: str, files: list[LandingFile]) -> tuple[LandingFil
     return None, errors[-1] if errors else "the run failed without output"
 
 
+def run_parameters(opts: WatchOptions, files: list[LandingFile], plan: dict[str, Any]) -> dict[str, str]:
+    """The flow parameters of a run over ``files`` (landing names may hold commas: see join_urls)."""
+    params = {"surveys": storage.join_urls([f.url for f in files]), "data_root": opts.data_root,
+              "init_from": plan["init_from"]}
+    if plan["held_out"]:
+        params["held_out"] = storage.join_urls(plan["held_out"])
+    return params
+
+
 def start_run(opts: WatchOptions, files: list[LandingFile], plan: dict[str, Any], tag: str) -> dict[str, Any]:
     """Run the flow over ``files`` and wait; returns {"status", "pathspec", "tags", "stderr"}."""
     from metaflow import Runner
 
-    params = {"surveys": ",".join(f.url for f in files), "data_root": opts.data_root,
-              "init_from": plan["init_from"]}
-    if plan["held_out"]:
-        params["held_out"] = ",".join(plan["held_out"])
+    params = run_parameters(opts, files, plan)
     with tempfile.TemporaryDirectory(prefix="sfm-watch-") as tmp:
         config_path = os.path.join(tmp, "job.toml")
         Path(config_path).write_text(_toml(plan["config"].to_dict()))
@@ -416,8 +422,7 @@ def publish(opts: WatchOptions, files: list[LandingFile], plan: dict[str, Any], 
     if not url:
         raise SFMError("--publish-event needs the Argo Events webhook: pass --event-url or set "
                        "METAFLOW_ARGO_EVENTS_WEBHOOK_URL")
-    payload = {"surveys": ",".join(f.url for f in files), "held_out": ",".join(plan["held_out"]),
-               "init_from": plan["init_from"], "data_root": opts.data_root, "sfm_watch_tag": tag}
+    payload = {"held_out": "", **run_parameters(opts, files, plan), "sfm_watch_tag": tag}
     try:
         return ArgoEvent(plan["config"].retrain.event, url=url).publish(payload=payload, ignore_errors=False)
     except Exception as err:

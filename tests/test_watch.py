@@ -278,3 +278,18 @@ def test_init_from_champion_resolves_and_a_wrong_architecture_is_refused(tmp_pat
         pipeline.resolve_init_from(small, "v1", root)
     with pytest.raises(SFMError, match="no exported model"):
         pipeline.resolve_init_from(JobConfig.from_toml(None, FAST), str(tmp_path / "nothing"), root)
+
+
+def test_landing_names_with_commas_reach_the_flow_whole(tmp_path):
+    from sfm.watch import LandingFile, WatchOptions, run_parameters
+
+    files = [LandingFile("s3://b/landing/north,2019.sgy", "north,2019.sgy", 1, "t"),
+             LandingFile("s3://b/landing/south.sgy", "south.sgy", 1, "t")]
+    plan = {"init_from": "", "held_out": ["s3://b/landing/held,out.sgy"]}
+    params = run_parameters(WatchOptions(landing="s3://b/landing", data_root=str(tmp_path)), files, plan)
+    assert storage.split_urls(params["surveys"]) == [f.url for f in files]
+    assert storage.split_urls(params["held_out"]) == plan["held_out"]
+    assert storage.join_urls(["a.sgy", "b.sgy"]) == "a.sgy,b.sgy"  # readable when no name needs quoting
+    assert storage.split_urls(" a.sgy , b.sgy ,") == ["a.sgy", "b.sgy"]
+    with pytest.raises(SFMError, match="not a JSON list of URLs"):
+        storage.split_urls("[a.sgy")
