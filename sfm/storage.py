@@ -24,6 +24,7 @@ a temporary name followed by ``os.replace``), so a reader sees either nothing or
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -64,7 +65,36 @@ def s3_endpoint_url() -> str | None:
             if problem:
                 raise SFMError(f"{problem} (from ${name})")
             chosen = chosen or value
+    if chosen is None:
+        configured = _config_file_endpoint(*(os.environ.get(k, "") for k in _AWS_CONFIG_ENV))
+        problem = configured and endpoint_problem(configured)
+        if problem:
+            raise SFMError(f"{problem} (from endpoint_url in the AWS config file of profile "
+                           f"{os.environ.get('AWS_PROFILE') or os.environ.get('AWS_DEFAULT_PROFILE') or 'default'})")
     return chosen
+
+
+# what decides which endpoint_url botocore takes from the AWS config file
+_AWS_CONFIG_ENV = ("AWS_CONFIG_FILE", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
+                   "SFM_ALLOW_INSECURE_S3")
+
+
+@functools.lru_cache(maxsize=8)
+def _config_file_endpoint(*_env: str) -> str | None:
+    """The S3 endpoint botocore resolves without an endpoint variable: AWS's own, or an ``endpoint_url``
+    from the AWS config file (top level of the profile or its ``services`` section), which boto3 and
+    s3fs would use. Cached per value of the variables that decide it (``_env``)."""
+    import botocore.session
+    from botocore import UNSIGNED
+    from botocore.config import Config
+
+    try:
+        client = botocore.session.Session().create_client(
+            "s3", region_name=os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            config=Config(signature_version=UNSIGNED))
+    except Exception:  # an unreadable config or unknown profile: boto3 reports it on first use
+        return None
+    return client.meta.endpoint_url
 
 
 def s3_storage_options() -> dict[str, Any]:

@@ -370,3 +370,24 @@ def test_no_code_path_unpickles_untrusted_bytes():
             if re.search(r"\btorch\.load\(", line):
                 assert "weights_only=True" in line, f"{path}:{n}: {line.strip()}"
             assert not re.search(r"\b(pickle|dill|cloudpickle)\.loads?\(", line), f"{path}:{n}: {line.strip()}"
+
+
+def test_plain_http_endpoint_in_the_aws_config_file_is_refused(monkeypatch, tmp_path):
+    """boto3 and s3fs take endpoint_url from the AWS config file when no endpoint variable is set."""
+    for name in storage.ENDPOINT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("SFM_ALLOW_INSECURE_S3", raising=False)
+    config = tmp_path / "config"
+    config.write_text("[default]\nendpoint_url = https://s3.example.com\n"
+                      "[profile lab]\nservices = lab-s3\n[services lab-s3]\ns3 =\n  endpoint_url = http://10.1.2.3:9000\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.delenv("AWS_DEFAULT_PROFILE", raising=False)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    assert storage.s3_endpoint_url() is None  # https in the default profile: allowed
+    monkeypatch.setenv("AWS_PROFILE", "lab")
+    with pytest.raises(SFMError) as err:
+        storage.s3_endpoint_url()
+    assert str(err.value).startswith("S3 endpoint http://10.1.2.3:9000 is plain http on a non-loopback host")
+    assert "AWS config file of profile lab" in str(err.value) and "\n" not in str(err.value)
+    monkeypatch.setenv("SFM_ALLOW_INSECURE_S3", "1")  # the same opt-in as for the variables
+    assert storage.s3_endpoint_url() is None
