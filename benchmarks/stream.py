@@ -1,6 +1,6 @@
 """Streaming benchmark (issue 4): crops from S3 servers on loopback, side by side in one run.
 
-    python benchmarks/stream.py [--shape 256 256 256] [--batch 8] [--batches 12] [--rounds 3]
+    python benchmarks/stream.py [--shape 256 256 256] [--batch 8] [--batches 12] [--rounds 3] [--codec zstd:1]
 
 One synthetic survey (sfm.synth) is ingested by sfm.ingest into a temporary data root on each of two
 S3 servers started here on loopback: ``moto_server`` (Python, in memory) and ``rclone serve s3``
@@ -315,7 +315,7 @@ def bench_server(server: Server, segy: str, args) -> dict:
     stores = {}
     for brick in (128, 64):
         t0 = time.perf_counter()
-        row = ingest.ingest_survey(segy, f"s3://bench/c{brick}", chunk=brick)
+        row = ingest.ingest_survey(segy, f"s3://bench/c{brick}", chunk=brick, codec=args.codec)
         stores[brick] = row["store_url"]
         out[f"ingest_{brick}_seconds"] = time.perf_counter() - t0
     ranged_obstore = server.name != "rclone"  # obstore refuses rclone's 200 answers to ranged GETs
@@ -382,6 +382,12 @@ def bench_server(server: Server, segy: str, args) -> dict:
     return out
 
 
+def ingest_default_codec() -> str:
+    from sfm.ingest import DEFAULT_CODEC
+
+    return DEFAULT_CODEC
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", type=int, nargs=3, default=[256, 256, 256])
@@ -390,6 +396,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--raw-mb", type=float, default=256, help="bytes per raw trial")
     parser.add_argument("--train-steps", type=int, default=2)
+    parser.add_argument("--codec", default=ingest_default_codec(), help="Blosc codec of the stores, cname[:clevel] (ingest_survey's codec)")
     args = parser.parse_args()
 
     from sfm.synth import synth_survey
@@ -399,7 +406,8 @@ def main() -> int:
     try:
         segy = str(workdir / "bench.sgy")
         synth_survey(segy, shape=tuple(args.shape), seed=0)
-        results = {"shape": args.shape, "batch": args.batch, "crop": [128, 128, 128], "cpus": os.cpu_count(),
+        results = {"shape": args.shape, "batch": args.batch, "crop": [128, 128, 128], "codec": args.codec,
+                   "cpus": os.cpu_count(),
                    "load_average_at_start": os.getloadavg()[0], "servers": {}}
         for name in ("moto", "rclone"):
             server = Server(name, workdir)

@@ -95,7 +95,8 @@ def ingest(source: dict[str, Any], data_root: str, cfg: JobConfig) -> dict[str, 
     from sfm.ingest import ingest_survey
 
     row = ingest_survey(source["url"], data_root, iline_byte=cfg.ingest.iline_byte or None,
-                        xline_byte=cfg.ingest.xline_byte or None, chunk=cfg.ingest.chunk)
+                        xline_byte=cfg.ingest.xline_byte or None, chunk=cfg.ingest.chunk,
+                        codec=cfg.ingest.codec)
     keep = ("survey_id", "name", "source_url", "store_url", "shape", "status", "seconds")
     return {**{k: row[k] for k in keep}, "held_out": bool(source["held_out"])}
 

@@ -7,6 +7,8 @@ Stores are compared with what segyio reads from the same file, on local disk and
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -356,10 +358,21 @@ def test_checksum_is_the_files_blake3_and_survey_id_its_prefix(tmp_path, segy_di
     assert file_digest(str(segy_dir / "small.sgy")) == digest  # what sfm watch uses to know a file's survey
 
 
-@pytest.mark.parametrize("codec", ["lz4", "zstd:3"])
-def test_codec_is_configurable(tmp_path, codec):
+@pytest.mark.parametrize("codec,via", [("lz4", "cli"), ("zstd:3", "api")])
+def test_codec_is_configurable(tmp_path, codec, via):
+    from sfm.config import IngestConfig
+    from sfm.ingest import DEFAULT_CODEC
+
+    assert IngestConfig().codec == DEFAULT_CODEC  # the flow's [ingest] codec defaults to ingest's own
     amplitude = cases.volume((10, 9, 20), seed=2)
-    row = ingest_survey(str(cases.write(tmp_path / "c.sgy", amplitude)), str(tmp_path / "root"), codec=codec)
+    src = str(cases.write(tmp_path / "c.sgy", amplitude))
+    if via == "cli":
+        proc = subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", src, "--out", str(tmp_path / "root"),
+                               "--codec", codec], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        row = json.loads(proc.stdout.splitlines()[0])
+    else:
+        row = ingest_survey(src, str(tmp_path / "root"), codec=codec)
     attrs = read_store_attrs(row["store_url"])
     cname, _, level = codec.partition(":")
     assert f"cname={cname} clevel={level or 1}" in attrs["store"]["codec"]
