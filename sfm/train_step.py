@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Callable, ContextManager, Iterable, NamedTuple
 
 import torch
@@ -134,7 +135,10 @@ class TrainStep:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
-            self.scheduler.step()
+            with warnings.catch_warnings():
+                # a skipped first step advances the schedule on purpose; torch warns that the optimiser did not step
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+                self.scheduler.step()
         return StepResult(losses_t, norm, bool(applied))
 
 
