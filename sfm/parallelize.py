@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGather, DefaultAllocMixin, ReduceScatter
 from torch.nn.parallel import DistributedDataParallel
 
 from sfm import storage
@@ -87,19 +87,16 @@ def apply_strategy(model: nn.Module, strategy: str, mesh: DeviceMesh | None = No
     return model
 
 
-class OverlappedAllGather(AllGather):
+class OverlappedAllGather(DefaultAllocMixin, AllGather):
     """FSDP2's parameter all-gather, always issued asynchronously: FSDP waits on the returned work
     right before it copies the parameters out, so a prefetched all-gather overlaps the compute before it."""
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work:
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
 
 
-class OverlappedReduceScatter(ReduceScatter):
+class OverlappedReduceScatter(DefaultAllocMixin, ReduceScatter):
     """FSDP2's gradient reduce-scatter of one unit, left running while backward continues.
 
     FSDP2 hands the output buffer over as the unit's sharded gradients without reading it when it
@@ -111,9 +108,6 @@ class OverlappedReduceScatter(ReduceScatter):
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False) -> dist.Work | None:
