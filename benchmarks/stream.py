@@ -382,13 +382,9 @@ def bench_server(server: Server, segy: str, args) -> dict:
     return out
 
 
-def ingest_default_codec() -> str:
-    from sfm.ingest import DEFAULT_CODEC
-
-    return DEFAULT_CODEC
-
-
 def main() -> int:
+    from sfm.config import IngestConfig
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", type=int, nargs=3, default=[256, 256, 256])
     parser.add_argument("--batch", type=int, default=8)
@@ -396,7 +392,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--raw-mb", type=float, default=256, help="bytes per raw trial")
     parser.add_argument("--train-steps", type=int, default=2)
-    parser.add_argument("--codec", default=ingest_default_codec(), help="Blosc codec of the stores, cname[:clevel] (ingest_survey's codec)")
+    parser.add_argument("--codec", default=IngestConfig.codec, help="Blosc codec of the stores, cname[:clevel]")
     args = parser.parse_args()
 
     from sfm.synth import synth_survey
@@ -407,8 +403,7 @@ def main() -> int:
         segy = str(workdir / "bench.sgy")
         synth_survey(segy, shape=tuple(args.shape), seed=0)
         results = {"shape": args.shape, "batch": args.batch, "crop": [128, 128, 128], "codec": args.codec,
-                   "cpus": os.cpu_count(),
-                   "load_average_at_start": os.getloadavg()[0], "servers": {}}
+                   "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg()[0], "servers": {}}
         for name in ("moto", "rclone"):
             server = Server(name, workdir)
             servers.append(server)

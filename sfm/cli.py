@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from sfm.config import IngestConfig
 from sfm.errors import SFMError
 
 
@@ -39,8 +40,7 @@ def _cmd_ingest(args: argparse.Namespace) -> None:
     for src in args.src:
         try:
             row = ingest_survey(src, args.out, iline_byte=args.iline_byte, xline_byte=args.xline_byte,
-                                endian=args.endian, chunk=args.chunk, dtype=args.dtype,
-                                **({"codec": args.codec} if args.codec else {}),
+                                endian=args.endian, chunk=args.chunk, dtype=args.dtype, codec=args.codec,
                                 max_sparsity=args.max_sparsity,
                                 nonfinite="refuse" if args.refuse_nonfinite else "replace",
                                 progress=sys.stderr.isatty())
@@ -230,9 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=128, help="brick edge in voxels (default 128: 128^3 bricks)")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                    help="float32 is lossless; float16 stores standardised values and records the transform")
-    p.add_argument("--codec", default=None,
-                   help="Blosc compressor of the bricks, cname[:clevel] (default zstd:1, sfm.ingest.DEFAULT_CODEC; "
-                        "lz4 decodes about twice as fast and stores 5-25 %% more bytes)")
+    p.add_argument("--codec", default=IngestConfig.codec,
+                   help=f"Blosc compressor of the bricks, cname[:clevel] (default {IngestConfig.codec}; lz4 decodes "
+                        "about twice as fast and stores 5-25 %% more bytes)")
     p.add_argument("--max-sparsity", type=float, default=10.0,
                    help="largest allowed ratio of grid cells to traces (default 10)")
     p.add_argument("--refuse-nonfinite", action="store_true",

@@ -24,7 +24,7 @@ class IngestConfig:
     iline_byte: int = 0  # trace-header byte of the inline number; 0 (with xline_byte 0): detect among the common pairs
     xline_byte: int = 0  # of the crossline number
     chunk: int = 128  # brick edge in voxels (clipped to the survey's shape)
-    codec: str = "zstd:1"  # Blosc "cname[:clevel]" of the amplitude bricks (sfm.ingest.DEFAULT_CODEC); lz4 decodes faster
+    codec: str = "zstd:1"  # Blosc "cname[:clevel]" of the amplitude bricks (why zstd: sfm.ingest); lz4 decodes faster
 
 
 @dataclass

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from sfm import manifest, storage
+from sfm.config import IngestConfig
 from sfm.contracts import read_store_attrs, validate
 from sfm.errors import SFMError
 from sfm.segy import (
@@ -52,12 +53,13 @@ TRANSFORM_TRACES = 1024  # evenly spaced traces read first to fix the float16 st
 SHARD_BYTES = 64 << 20  # target size of one shard (bricks along the sample axis)
 FLOAT16_MAX = 65504.0
 # The bricks' codec, "cname[:clevel]" over byte-shuffled 1 MiB blocks (larger blocks compress better than
-# Blosc's default at the same speed). Default zstd level 1: against lz4 level 1 it stores real integer-born
-# seismic (F3) in 22 % fewer bytes (0.465 of raw against 0.595) and noisy float data in 8 % fewer (0.83
-# against 0.91), for 2-3x the CPU to encode and 1.5-3x to decode; at cloud prices the storage saved
-# outweighs the CPU (BENCHMARKS.md, "Ingest"). lz4 suits machines short of cores.
+# Blosc's default at the same speed). Default (IngestConfig.codec, shared with the CLI and the flow) zstd
+# level 1: against lz4 level 1 it stores real integer-born seismic (F3) in 22 % fewer bytes (0.465 of raw
+# against 0.595) and noisy float data in 8 % fewer (0.83 against 0.91), for 2-3x the CPU to encode and
+# 1.5-3x to decode; at cloud prices the storage saved outweighs the CPU (BENCHMARKS.md, "Ingest"). lz4
+# suits machines short of cores.
 CODEC_NAMES = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
-DEFAULT_CODEC = "zstd:1"
+DEFAULT_CODEC = IngestConfig.codec
 
 
 def codec_spec(codec: str) -> dict[str, Any]:
