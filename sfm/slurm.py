@@ -37,9 +37,10 @@ REQUEUE_SIGNAL = "USR1"
 
 
 def training_surveys(*, surveys: str = "", data_root: str = "", held_out: str = "") -> list[str]:
-    """Store URLs to train on: ``surveys`` (comma-separated store URLs), or every survey published in
-    ``data_root``'s manifest except ``held_out`` (comma-separated names, survey ids or store URLs)."""
-    named = [s.strip() for s in surveys.split(",") if s.strip()]
+    """Store URLs to train on: ``surveys`` (store URLs), or every survey published in ``data_root``'s
+    manifest except ``held_out`` (names, survey ids or store URLs); both comma-separated or a JSON list
+    (:func:`sfm.storage.split_urls`)."""
+    named = storage.split_urls(surveys)
     if named:
         return [storage.normalize(s) for s in named]
     if not data_root:
@@ -48,7 +49,7 @@ def training_surveys(*, surveys: str = "", data_root: str = "", held_out: str = 
     if table.empty:
         raise SFMError(f"no published surveys under {storage.join(data_root, 'manifest')}; ingest some first "
                        "(sfm ingest SEG-Y... --out DATA_ROOT) or pass --surveys")
-    skip = {s.strip() for s in held_out.split(",") if s.strip()}
+    skip = set(storage.split_urls(held_out))
     known = set(table["name"]) | set(table["survey_id"]) | set(table["store_url"])
     unknown = sorted(skip - known)
     if unknown:

@@ -75,8 +75,7 @@ def s3_endpoint_url() -> str | None:
 
 
 # what decides which endpoint_url botocore takes from the AWS config file
-_AWS_CONFIG_ENV = ("AWS_CONFIG_FILE", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
-                   "SFM_ALLOW_INSECURE_S3")
+_AWS_CONFIG_ENV = ("AWS_CONFIG_FILE", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS")
 
 
 @functools.lru_cache(maxsize=8)
