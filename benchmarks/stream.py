@@ -8,13 +8,15 @@ S3 servers started here on loopback: ``moto_server`` (Python, in memory) and ``r
 ingest default) and, for the bytes-per-request comparison, 64^3 bricks. For each server:
 
 (a) raw: bytes/s of parallel GETs of the store's amplitude objects, one brick's bytes per request,
-    with obstore (ranged; whole objects against rclone) and with s3fs (ranged), at 1-64
-    connections; the best is the raw limit.
+    with obstore (ranged; whole objects against rclone), s3fs (ranged) and sfm's own transport
+    (sfm.s3_ranges, ranged), at 1-64 connections; the best is the raw limit.
 (b) loader: ``sfm.data`` reading 128^3 crops with brick-aligned origins in this process: bytes/s it
     fetched from storage (counted by its store wrapper) and crop bytes/s it delivered (float32);
-    goals fetched/raw >= 0.8 and delivered/fetched >= 0.5. Raw and loader trials alternate over
-    ``--rounds`` rounds (medians), so background load hits both alike. Also: the same with origins
-    anywhere (read amplification), and with 2 DataLoader worker processes.
+    goals fetched/raw >= 0.8 and delivered/fetched >= 0.5. The default loader (client "auto":
+    bricks over sfm.s3_ranges) and the same loader with every read through the general client
+    (obstore; s3fs against rclone) alternate with the raw trial over ``--rounds`` rounds (medians),
+    so background load hits all alike. Also: the default loader with origins anywhere (read
+    amplification), and with 2 DataLoader worker processes.
 (c) the loader's batches/s over the training step's batches/s (small preset at 128^3, one forward,
     backward and AdamW step on CPU, same batch size); goal >= 3.
 
@@ -154,6 +156,28 @@ def raw_obstore(requests, connections: int, ranged: bool) -> int:
     return asyncio.run(run())
 
 
+def raw_http(requests, connections: int) -> int:
+    """sfm's own transport (sfm.s3_ranges): one blocking ranged GET per thread into that thread's buffer."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from sfm.s3_ranges import S3RangeReader
+
+    reader = S3RangeReader(requests[0][0].split("/", 1)[0])
+    local = threading.local()
+
+    def one(request) -> int:
+        path, start, end = request
+        if getattr(local, "buffer", None) is None or local.buffer.size < end - start:
+            local.buffer = np.empty(end - start, np.uint8)
+        return len(reader.read_into(path.split("/", 1)[1], start, end, local.buffer))
+
+    with ThreadPoolExecutor(connections) as pool:
+        return sum(pool.map(one, requests))
+
+
 def raw_s3fs(requests, connections: int) -> int:
     from fsspec.asyn import sync
 
@@ -171,6 +195,15 @@ def raw_s3fs(requests, connections: int) -> int:
         return sum(await asyncio.gather(*(one(*r) for r in requests)))
 
     return sync(fs.loop, run)
+
+
+def raw_function(client: str, requests, connections: int, ranged: bool):
+    """A no-argument function doing ``requests`` with ``client`` over ``connections``; returns bytes read."""
+    if client == "obstore":
+        return lambda: raw_obstore(requests, connections, ranged)
+    if client == "s3fs":
+        return lambda: raw_s3fs(requests, connections)
+    return lambda: raw_http(requests, connections)
 
 
 def timed(fn, server: Server):
@@ -238,11 +271,12 @@ def settle(stream) -> None:
         time.sleep(0.5)
 
 
-def make_stream(url: str, batch: int, *, align: str = "brick", workers: int = 0, threads: int = 8):
+def make_stream(url: str, batch: int, *, align: str = "brick", workers: int = 0, threads: int = 8,
+                client: str = "auto"):
     from sfm import data
 
     sampler = data.CropSampler([url], (128, 128, 128), seed=0, min_live_fraction=0.5, read_threads=threads,
-                               align=align)
+                               align=align, client=client)
     return data.BatchStream(data.CropDataset(sampler, batch, prefetch=2), workers=workers)
 
 
@@ -329,40 +363,46 @@ def bench_server(server: Server, segy: str, args) -> dict:
         res["store"] = {"bricks": list(info.bricks), "shards": list(amplitude.shards or ()),
                         "codec": str(amplitude.metadata.codecs[0].to_dict())[:200]}
         sweep = {}
-        for client in ("obstore", "s3fs"):
-            ranged = client == "s3fs" or ranged_obstore
-            requests = plan_requests(objects, brick_bytes, ranged, args.raw_mb * MB)
+        for client in ("obstore", "s3fs", "http"):
+            ranged = client != "obstore" or ranged_obstore
+            requests = plan_requests(objects, brick_bytes, ranged, args.raw_mb * MB / 4)
             for conn in (1, 4, 16, 64):
-                fn = (lambda r=requests, c=conn, rg=ranged: raw_obstore(r, c, rg)) if client == "obstore" else \
-                    (lambda r=requests, c=conn: raw_s3fs(r, c))
+                fn = raw_function(client, requests, conn, ranged)
                 nbytes, seconds, ccpu, scpu = timed(fn, server)
                 sweep[(client, conn)] = nbytes / seconds
                 res["sweep"][f"{client}{' ranged' if ranged else ' whole objects'} x{conn}"] = {
                     "bytes_per_s": nbytes / seconds, "bytes_per_request": nbytes / len(requests),
                     "client_cpu_s_per_gb": ccpu / (nbytes / 1e9), "server_cpu_s_per_gb": scpu / (nbytes / 1e9)}
         best_client, best_conn = max(sweep, key=sweep.get)
-        ranged = best_client == "s3fs" or ranged_obstore
-        requests = plan_requests(objects, brick_bytes, ranged, args.raw_mb * MB)
-        best = (lambda: raw_obstore(requests, best_conn, ranged)) if best_client == "obstore" else \
-            (lambda: raw_s3fs(requests, best_conn))
+        ranged = best_client != "obstore" or ranged_obstore
+        best = raw_function(best_client, plan_requests(objects, brick_bytes, ranged, args.raw_mb * MB), best_conn,
+                            ranged)
 
-        stream = make_stream(url, args.batch)
-        next(stream)  # warm: stores open, shard indexes cached, connections up
-        raws, loads = [], []
-        for _ in range(args.rounds if brick == 128 else 1):  # alternate: background load hits both alike
-            settle(stream)
+        # the loader as configured by default ("auto": bricks over sfm.s3_ranges) and, for comparison, with
+        # every read through the general client (obstore, or s3fs where the server refuses obstore)
+        streams = {"auto": make_stream(url, args.batch),
+                   "general": make_stream(url, args.batch, client="obstore" if ranged_obstore else "fsspec")}
+        for stream in streams.values():
+            next(stream)  # warm: stores open, shard indexes cached, connections up
+        raws, loads = [], {name: [] for name in streams}
+        for _ in range(args.rounds if brick == 128 else 1):  # alternate: background load hits all alike
+            for stream in streams.values():
+                settle(stream)
             nbytes, seconds, _, _ = timed(best, server)
             raws.append(nbytes / seconds)
-            loads.append(loader_trial(stream, args.batches, server))
-        client = type(stream.sampler._stores[0]._store).__name__
-        stream.close()
+            for name, stream in streams.items():
+                loads[name].append(loader_trial(stream, args.batches, server))
         raw = statistics.median(raws)
-        loader = {k: statistics.median(t[k] for t in loads) for k in loads[0]}
-        loader["client"] = {"ObjectStore": "obstore", "FsspecStore": "s3fs"}.get(client, client)
-        loader["fetched_over_raw"] = loader["fetched_bytes_per_s"] / raw
         res["raw"] = {"client": f"{best_client}{' ranged' if ranged else ' whole objects'}", "connections": best_conn,
                       "bytes_per_s": raw, "rounds": raws}
-        res["loader"] = loader
+        for name, stream in streams.items():
+            store = stream.sampler._stores[0]
+            client = {"ObjectStore": "obstore", "FsspecStore": "s3fs"}.get(type(store._store).__name__, "?")
+            stream.close()
+            loader = {k: statistics.median(t[k] for t in loads[name]) for k in loads[name][0]}
+            loader["client"] = f"http (bricks) + {client}" if store.range_reader is not None else client
+            loader["fetched_over_raw"] = loader["fetched_bytes_per_s"] / raw
+            res["loader" if name == "auto" else "loader_general_client"] = loader
         if brick == 128:
             res["cpu_breakdown"] = cpu_breakdown(url)
             unaligned = make_stream(url, args.batch, align="voxel")
@@ -388,9 +428,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", type=int, nargs=3, default=[256, 256, 256])
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--batches", type=int, default=12, help="batches per loader trial")
+    parser.add_argument("--batches", type=int, default=48, help="batches per loader trial")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--raw-mb", type=float, default=256, help="bytes per raw trial")
+    parser.add_argument("--raw-mb", type=float, default=1024, help="MB per timed raw trial (a quarter per sweep point)")
     parser.add_argument("--train-steps", type=int, default=2)
     parser.add_argument("--codec", default=IngestConfig.codec, help="Blosc codec of the stores, cname[:clevel]")
     args = parser.parse_args()
@@ -424,6 +464,10 @@ def main() -> int:
                 "fetched_bytes_per_s": main_store["loader"]["fetched_bytes_per_s"],
                 "delivered_bytes_per_s": main_store["loader"]["delivered_bytes_per_s"],
                 "fetched_over_raw": main_store["loader"]["fetched_over_raw"],
+                "loader_client": main_store["loader"]["client"],
+                "general_client": main_store["loader_general_client"]["client"],
+                "general_client_fetched_over_raw": main_store["loader_general_client"]["fetched_over_raw"],
+                "raw_client": f"{main_store['raw']['client']} x{main_store['raw']['connections']}",
                 "delivered_over_fetched": main_store["loader"]["delivered_over_fetched"],
                 "unaligned_delivered_over_fetched": main_store["loader_unaligned"]["delivered_over_fetched"],
                 "loader_batches_per_s": loader_batches_per_s,

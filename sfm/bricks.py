@@ -13,8 +13,10 @@ buffer and one pass from there into the destination:
 - float32 or float16 values.
 
 :meth:`BrickReader.for_array` returns None for anything else, and the caller reads through zarr.
-Fetches go through the array's store (so :class:`sfm.data.ResilientStore` retries and counts them),
-all bricks of a region at once on zarr's event loop.
+Fetches go through the array's store (so :class:`sfm.data.ResilientStore` retries and counts them):
+when the store has a blocking range reader (:mod:`sfm.s3_ranges`), each brick of a sharded array
+is read on the calling thread into that thread's reused buffer; otherwise all bricks of a region
+are fetched at once on zarr's event loop.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class BrickReader:
         self.dtype = np.dtype(dtype)
         self.fill_value = float(amp.metadata.fill_value)
         self.per_shard = None if shard_shape is None else tuple(s // b for s, b in zip(self.shard_shape, self.bricks))
-        self._local = threading.local()  # per thread: decoder and brick buffer
+        self._local = threading.local()  # per thread: decoder, brick buffer, encoded-bytes buffer
+        self._indexes: dict[tuple[int, ...], np.ndarray | None] = {}  # shard -> index (blocking reads)
 
     @classmethod
     def for_array(cls, amp) -> "BrickReader | None":
@@ -100,7 +103,10 @@ class BrickReader:
         starts = [r.start for r in region]
         ranges = [range(r.start // b, (r.stop - 1) // b + 1) for r, b in zip(region, self.bricks)]
         coords = [(i, j, k) for i in ranges[0] for j in ranges[1] for k in ranges[2]]
-        payloads = sync(self._fetch(coords))
+        if getattr(self.store, "range_reader", None) is not None and self.shard_shape is not None:
+            payloads = (self._read_brick(brick) for brick in coords)  # one at a time, into one buffer
+        else:
+            payloads = sync(self._fetch(coords))
         for brick, payload in zip(coords, payloads):
             stored = self._decode(payload)
             src, out = [], []
@@ -134,6 +140,29 @@ class BrickReader:
 
         return await asyncio.gather(*(one(b) for b in coords))
 
+    def _read_brick(self, brick: tuple[int, int, int]) -> np.ndarray | None:
+        """The encoded bytes of one brick (None: never written) in this thread's reused buffer, read by
+        the store's blocking range reader (:meth:`sfm.data.ResilientStore.read_range_into`)."""
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.core.sync import sync
+
+        shard = tuple(c // n for c, n in zip(brick, self.per_shard))
+        index = self._indexes.get(shard, False)
+        if index is False:  # published stores never change: each index is read once
+            index = self._indexes[shard] = sync(self._shard_index(shard, default_buffer_prototype()))
+        if index is None:
+            return None
+        offset, nbytes = (int(v) for v in index[tuple(c % n for c, n in zip(brick, self.per_shard))])
+        if offset == int(_EMPTY) and nbytes == int(_EMPTY):
+            return None
+        local = self._local
+        if getattr(local, "payload", None) is None or local.payload.size < nbytes:
+            local.payload = np.empty(max(nbytes, int(np.prod(self.bricks)) * self.dtype.itemsize + 4096), np.uint8)
+        got = self.store.read_range_into(self._key(shard), offset, offset + nbytes, local.payload)
+        if got is None:
+            raise FileNotFoundError(f"shard {self._key(shard)} vanished while being read")
+        return got
+
     async def _shard_index(self, shard, proto) -> np.ndarray | None:
         """[*per_shard, 2] uint64 (offset, nbytes) of each brick in the shard; None if no shard."""
         from numcodecs.checksum32 import CRC32C
@@ -159,10 +188,12 @@ class BrickReader:
             local.decoder = _numcodecs_decoder(self.compressor) if self.compressor else None
         if payload is None:
             local.buffer.fill(self.fill_value)
-        elif local.decoder is None:
-            local.buffer.reshape(-1).view(np.uint8)[:] = payload.as_numpy_array()
+            return local.buffer
+        encoded = payload if isinstance(payload, np.ndarray) else payload.as_numpy_array()
+        if local.decoder is None:
+            local.buffer.reshape(-1).view(np.uint8)[:] = encoded
         else:
-            local.decoder.decode(payload.as_numpy_array(), out=local.buffer)
+            local.decoder.decode(encoded, out=local.buffer)
         return local.buffer
 
 

@@ -38,7 +38,7 @@ class DataConfig:
     workers: int = 0  # DataLoader worker processes per rank; 0 reads on threads of the training process
     read_threads: int = 8  # crop tiles read at once per process (each fetches its bricks concurrently)
     prefetch: int = 2  # batches each worker reads ahead
-    client: str = "auto"  # S3 client: auto (obstore if installed, else s3fs), obstore, fsspec
+    client: str = "auto"  # S3 reads: auto (bricks by sfm.s3_ranges, the rest obstore or s3fs), http, obstore, fsspec
     retry_seconds: float = 120.0  # how long transient S3 failures are retried before a read fails
 
 

@@ -48,13 +48,14 @@ from zarr.storage import WrapperStore
 from sfm import storage
 from sfm.bricks import BrickReader
 from sfm.errors import SFMError
+from sfm.s3_ranges import RangeReadError, S3RangeReader, reachable_directly
 
 log = logging.getLogger(__name__)
 
 _TILE_VOXELS = 1 << 22  # largest tile read in one zarr call (16 MiB of float32)
 AUGMENTATIONS = ("flip_inline", "flip_crossline", "swap")
 ALIGNMENTS = ("voxel", "brick")
-CLIENTS = ("auto", "obstore", "fsspec")
+CLIENTS = ("auto", "http", "obstore", "fsspec")
 
 
 # --------------------------------------------------------------------------------------------
@@ -67,6 +68,8 @@ def is_transient(err: BaseException) -> bool:
     Missing objects, denied access, bad arguments and a server that cannot serve byte ranges are
     permanent: retrying cannot fix them.
     """
+    if isinstance(err, RangeReadError):
+        return err.transient
     if isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError,
                         TypeError, KeyError, IndexError, AttributeError, NotImplementedError, MemoryError,
                         SFMError)):
@@ -121,12 +124,19 @@ class ResilientStore(WrapperStore):
         self.requests = 0
         self.retries = 0
         self.closed = False  # set by CropSampler.close: reads still running stop retrying
+        self._count_lock = threading.Lock()
+        # bricks: blocking ranged GETs on the reading thread (sfm.s3_ranges), keys under range_prefix;
+        # None: every read goes through the zarr store
+        self.range_reader: S3RangeReader | None = None
+        self.range_prefix = ""
         # shard indexes (a small range at the start or end of a shard object): published stores never
         # change, so each is fetched once instead of once per crop
         self._small_reads: collections.OrderedDict = collections.OrderedDict()
 
     def _with_store(self, store):
-        return type(self)(store, self.label, self.retry_seconds, self.fallback)
+        clone = type(self)(store, self.label, self.retry_seconds, self.fallback)
+        clone.range_reader, clone.range_prefix = self.range_reader, self.range_prefix
+        return clone
 
     async def _retrying(self, call):
         deadline = time.monotonic() + self.retry_seconds
@@ -142,22 +152,43 @@ class ResilientStore(WrapperStore):
                                     "through the fallback client", self.label, type(store).__name__)
                         self._store, self.fallback = self.fallback(), None
                     continue
-                now = time.monotonic()
-                if not is_transient(err) or now >= deadline or self.closed:
-                    raise
-                delay = min(5.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.0)
                 attempt += 1
-                self.retries += 1
-                if attempt == 1:
-                    log.warning("%s: transient read failure (%s: %s); retrying for up to %.0f s", self.label,
-                                type(err).__name__, str(err).splitlines()[0][:600] if str(err) else "",
-                                deadline - now)
-                await asyncio.sleep(min(delay, max(0.0, deadline - now)))
+                await asyncio.sleep(self._retry_delay(err, attempt, deadline))
+
+    def _retry_delay(self, err: Exception, attempt: int, deadline: float) -> float:
+        """Seconds to wait before retry ``attempt`` (1, 2, ...) after ``err``; re-raises ``err`` when it
+        is permanent, the deadline has passed or the store was closed."""
+        now = time.monotonic()
+        if not is_transient(err) or now >= deadline or self.closed:
+            raise err
+        self.retries += 1
+        if attempt == 1:
+            log.warning("%s: transient read failure (%s: %s); retrying for up to %.0f s", self.label,
+                        type(err).__name__, str(err).splitlines()[0][:600] if str(err) else "", deadline - now)
+        delay = min(5.0, 0.05 * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+        return min(delay, max(0.0, deadline - now))
+
+    def read_range_into(self, key: str, start: int, end: int, out: np.ndarray) -> np.ndarray | None:
+        """Blocking, on the calling thread: bytes ``[start, end)`` of ``key`` (relative to this store) as
+        a view of the uint8 buffer ``out`` through :attr:`range_reader`; None when the object does not
+        exist. Retried and counted like :meth:`get`."""
+        deadline = time.monotonic() + self.retry_seconds
+        attempt = 0
+        while True:
+            try:
+                got = self.range_reader.read_into(self.range_prefix + key, start, end, out)
+                break
+            except Exception as err:
+                attempt += 1
+                time.sleep(self._retry_delay(err, attempt, deadline))
+        self._count(got)
+        return got
 
     def _count(self, buf) -> None:
-        self.requests += 1
-        if buf is not None:
-            self.bytes_fetched += len(buf)
+        with self._count_lock:
+            self.requests += 1
+            if buf is not None:
+                self.bytes_fetched += len(buf)
 
     async def get(self, key, prototype, byte_range=None):
         small = _index_sized(byte_range)
@@ -232,20 +263,31 @@ def _fsspec_zarr_store(url: str):
 def open_survey_store(store_url: str, client: str = "auto", retry_seconds: float = 120.0) -> ResilientStore:
     """The zarr store to read survey ``store_url`` through (see :class:`ResilientStore`).
 
-    ``client``: "obstore" (Rust, the fastest), "fsspec" (s3fs), or "auto" (obstore when installed,
-    falling back to s3fs when the server cannot serve byte ranges to obstore). Local paths ignore it.
+    ``client`` (S3 only; local paths ignore it):
+
+    - "http": bricks by :class:`sfm.s3_ranges.S3RangeReader` (ranged GETs into the reading thread's
+      buffer: the least CPU per GB), metadata and shard indexes as "auto" reads them;
+    - "obstore" (Rust) or "fsspec" (s3fs): everything through that client;
+    - "auto": "http" unless a proxy is configured for the endpoint; the rest through obstore when
+      installed, falling back to s3fs when the server cannot serve byte ranges to obstore.
     """
     if client not in CLIENTS:
         raise SFMError(f"data.client = {client!r} is not a client; use one of {', '.join(CLIENTS)}")
     url = storage.normalize(store_url)
     if not storage.is_s3(url):
         return ResilientStore(storage.zarr_store(url, read_only=True), url, retry_seconds)
-    if client == "fsspec" or (client == "auto" and not _obstore_available()):
-        return ResilientStore(_fsspec_zarr_store(url), url, retry_seconds)
     if client == "obstore" and not _obstore_available():
         raise SFMError("data.client = 'obstore' but obstore is not installed; pip install obstore or use 'auto'")
-    fallback = (lambda: _fsspec_zarr_store(url)) if client == "auto" else None
-    return ResilientStore(_obstore_zarr_store(url), url, retry_seconds, fallback)
+    if client == "fsspec" or (client != "obstore" and not _obstore_available()):
+        store = ResilientStore(_fsspec_zarr_store(url), url, retry_seconds)
+    else:
+        fallback = (lambda: _fsspec_zarr_store(url)) if client != "obstore" else None
+        store = ResilientStore(_obstore_zarr_store(url), url, retry_seconds, fallback)
+    if client == "http" or (client == "auto" and reachable_directly(storage.s3_endpoint_url())):
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        store.range_reader = S3RangeReader(bucket)
+        store.range_prefix = prefix.rstrip("/") + "/" if prefix else ""
+    return store
 
 
 # --------------------------------------------------------------------------------------------
@@ -579,8 +621,11 @@ class CropSampler:
         view = view[:: -1 if c.flip_inline else 1, :: -1 if c.flip_crossline else 1]
         full = s.live_traces(c.origin[0], c.origin[1], c.extent[0], c.extent[1]) == c.extent[0] * c.extent[1]
         pool = self.pool
-        return [pool.submit(self._read_tile, c, tile, view, full)
-                for tile in brick_tiles(c.origin, c.extent, s.bricks)]
+        # a blocking range reader reads a tile's bricks one after another: one brick per tile keeps
+        # read_threads requests in flight
+        per_brick = self._stores[c.survey].range_reader is not None
+        tiles = brick_tiles(c.origin, c.extent, s.bricks, int(np.prod(s.bricks)) if per_brick else None)
+        return [pool.submit(self._read_tile, c, tile, view, full) for tile in tiles]
 
     def _read_tile(self, c: Crop, tile, view: np.ndarray, full: bool) -> None:
         s = self.surveys[c.survey]

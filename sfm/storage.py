@@ -218,7 +218,7 @@ def write_bytes_if_absent(url: str, data: bytes) -> bool:
         import botocore.exceptions
 
         bucket, key = path.split("/", 1)
-        client = _boto_client()
+        client = boto_client()
         try:
             client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
         except botocore.exceptions.ClientError as err:
@@ -240,7 +240,9 @@ def write_bytes_if_absent(url: str, data: bytes) -> bool:
     return True
 
 
-def _boto_client():
+def boto_client(**config: Any):
+    """A boto3 S3 client for this environment's endpoint and credentials; ``config``: more
+    ``botocore.config.Config`` options (e.g. ``signature_version``)."""
     import boto3
     from botocore.config import Config
 
@@ -253,6 +255,7 @@ def _boto_client():
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
             retries={"max_attempts": 10, "mode": "adaptive"},
+            **config,
         ),
     )
 

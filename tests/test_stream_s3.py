@@ -4,7 +4,7 @@
   neither crashes nor skips nor repeats a batch (compared with the same stream read from the same
   store as a local folder), and the loader did retry.
 - A proxy in front of moto_server resets connections, then throttles (503 SlowDown), while DataLoader
-  worker processes read through obstore: same result.
+  worker processes read through sfm.s3_ranges, or through obstore: same result.
 - A read that keeps failing past ``retry_seconds`` raises one SFMError naming the survey and region.
 """
 
@@ -50,6 +50,7 @@ def test_stream_survives_a_restart_of_rclone_serve_s3(rclone_s3, monkeypatch, tm
     reference.close()
 
     stream = open_stream(url)
+    assert stream.sampler._stores[0].range_reader is not None  # "auto": bricks over sfm.s3_ranges
     got = take(stream, 3)
     rclone_s3.stop()  # killed mid-stream: open connections reset, new ones refused
     restart = threading.Timer(3.0, rclone_s3.start)
@@ -64,15 +65,17 @@ def test_stream_survives_a_restart_of_rclone_serve_s3(rclone_s3, monkeypatch, tm
 
 
 @pytest.mark.timeout(240)
-def test_workers_survive_connection_resets_and_throttling(s3_env, fault_proxy, monkeypatch, tmp_path):  # noqa: F811
-    bucket = s3_env.make_bucket("stream-faults")
+@pytest.mark.parametrize("client", ["http", "obstore"])
+def test_workers_survive_connection_resets_and_throttling(s3_env, fault_proxy, monkeypatch, tmp_path,  # noqa: F811
+                                                          client):
+    bucket = s3_env.make_bucket(f"stream-faults-{client}")
     url, _, _ = survey_with_holes(tmp_path, f"{bucket}/root", shape=(48, 40, 64), seed=4)
-    reference = open_stream(url)
+    reference = open_stream(url, client="fsspec")
     want = take(reference, 14)
     reference.close()
 
     monkeypatch.setenv("SFM_S3_ENDPOINT_URL", fault_proxy.endpoint)  # the loader reads through the proxy
-    stream = open_stream(url, workers=2, client="obstore")
+    stream = open_stream(url, workers=2, client=client)
     got = take(stream, 2)
     fault_proxy.faults_for("reset", 2.0)
     got += take(stream, 4)
@@ -89,7 +92,7 @@ def test_a_read_that_keeps_failing_names_the_survey_and_region(s3_env, fault_pro
     bucket = s3_env.make_bucket("stream-down")
     url, _, _ = survey_with_holes(tmp_path, f"{bucket}/root", shape=(48, 40, 64), seed=5)
     monkeypatch.setenv("SFM_S3_ENDPOINT_URL", fault_proxy.endpoint)
-    for client in ("obstore", "fsspec"):
+    for client in ("http", "obstore", "fsspec"):
         stream = open_stream(url, client=client, retry_seconds=1.5)
         fault_proxy.set_mode("refuse")  # the endpoint goes away for good after the store was opened
         with pytest.raises(SFMError) as err:
