@@ -177,7 +177,8 @@ class S3RangeReader:
                 presigned_again = True
                 continue
             transient = resp.status >= 500 or resp.status == 429 or code in ("SlowDown", "RequestTimeout")
-            hint = "; set AWS_REGION to the bucket's region" if resp.status in (301, 307) else ""
+            wrong_region = resp.status in (301, 307) or code in ("PermanentRedirect", "AuthorizationHeaderMalformed")
+            hint = "; set AWS_REGION to the bucket's region" if wrong_region else ""
             raise RangeReadError(f"GET s3://{self.bucket}/{key} bytes {start}-{end - 1}: HTTP {resp.status} "
                                  f"{code or resp.reason}{hint}", resp.status, code, transient)
 
