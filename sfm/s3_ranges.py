@@ -2,11 +2,11 @@
 
 The crop loader reads each brick (a few MB) once and decodes it at once, on its own read thread.
 General clients cost more than the bytes: measured on the 2-core CI machine against loopback
-servers (benchmarks/stream.py), s3fs spends 1.2-1.6 CPU-s per GB in the Python of aiobotocore and
-aiohttp, and obstore 0.75-0.8 plus a fresh allocation per response, which the loader then copies
-out of. Here each read is one ``http.client`` request on the thread's own keep-alive connection,
-and the body goes from the socket into a buffer the thread reuses (``readinto``): about 0.65 CPU-s
-per GB, most of it the kernel's receive copy. It also accepts what ``rclone serve s3`` answers to a
+servers (benchmarks/stream.py), s3fs spends 1.5-1.7 CPU-s per GB in the Python of aiobotocore and
+aiohttp, and obstore 0.73-0.8 plus a fresh allocation per response, which the loader then decodes
+from. Here each read is one ``http.client`` request on the thread's own keep-alive connection,
+and the body goes from the socket into a buffer the thread reuses (``readinto``): 0.6-0.9 CPU-s
+per GB, most of it the kernel's receive path. It also accepts what ``rclone serve s3`` answers to a
 range, 200 with exactly the requested bytes, which obstore refuses.
 
 Addressing and signing stay botocore's: a GET URL per object is presigned by a boto3 client built
