@@ -128,6 +128,10 @@ class S3RequestLog:
 
 # ---- HTTP request -> IAM authorisation checks ------------------------------------------------------------
 
+_QUERY_AUTH = {"X-Amz-Algorithm", "X-Amz-Credential", "X-Amz-Date", "X-Amz-Expires", "X-Amz-Security-Token",
+               "X-Amz-Signature", "X-Amz-SignedHeaders"}
+
+
 def _obj(bucket: str, key: str) -> str:
     return f"arn:aws:s3:::{bucket}/{key}"
 
@@ -137,7 +141,8 @@ def s3_calls(req: Request) -> list[Call]:
     path = req.path.lstrip("/")
     bucket, _, raw_key = path.partition("/")
     key = unquote(raw_key)
-    q = req.query
+    # a presigned URL (query-string authentication) authorises the same action as a signed header
+    q = {k: v for k, v in req.query.items() if k not in _QUERY_AUTH}
     m = req.method
 
     def call(action: str, resource: str, prefix: str | None = None) -> Call:

@@ -107,6 +107,11 @@ def test_request_to_action_mapping():
     assert [c.resource for c in req("POST", "/b", {"delete": ""}, body=body)] == ["arn:aws:s3:::b/d/a",
                                                                                  "arn:aws:s3:::b/d/b"]
     assert req("PUT", "/b/k", {"acl": ""})[0].action.startswith("s3:UNKNOWN")  # unknown kinds are never allowed
+    presigned = {"X-Amz-Algorithm": "AWS4-HMAC-SHA256", "X-Amz-Credential": "k/20261130/us-east-1/s3/aws4_request",
+                 "X-Amz-Date": "20261130T000000Z", "X-Amz-Expires": "3600", "X-Amz-SignedHeaders": "host",
+                 "X-Amz-Signature": "0" * 64}
+    assert [str(c) for c in req("GET", "/b/d/k", presigned)] == ["s3:GetObject arn:aws:s3:::b/d/k"]
+    assert req("GET", "/b/d/k", {**presigned, "acl": ""})[0].action.startswith("s3:UNKNOWN")
 
 
 def test_cli_prints_the_policy_and_refuses_bad_input():
