@@ -122,9 +122,10 @@ def list_objects(store_url: str) -> list[tuple[str, int]]:
 
 
 def stored_brick_ranges(store_url: str, objects) -> dict[str, list[tuple[int, int]]]:
-    """For each amplitude object (shard), the (start, end) byte range of every brick stored in it, from
-    the shard's index: exactly the GETs a reader of this store makes, one per brick."""
-    import numpy as np
+    """For each amplitude object (shard), the (start, end) byte range of every brick stored in it, as
+    the loader locates them (``BrickReader._locate`` on the shard index): exactly its GETs, one per brick."""
+    import itertools
+
     from zarr.core.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
@@ -134,10 +135,12 @@ def stored_brick_ranges(store_url: str, objects) -> dict[str, list[tuple[int, in
     _, amp = data.read_survey_info(store_url)
     reader = BrickReader.for_array(amp)
     ranges = {}
-    for path, size in objects:
+    for path, _size in objects:
         shard = tuple(int(c) for c in path.rsplit("/c/", 1)[1].split("/"))
-        index = sync(reader._shard_index(shard, default_buffer_prototype())).reshape(-1, 2)
-        ranges[path] = sorted((int(o), int(o + n)) for o, n in index if o != np.uint64(2**64 - 1))
+        index = sync(reader._shard_index(shard, default_buffer_prototype()))
+        inner = itertools.product(*(range(n) for n in reader.per_shard))
+        where = [reader._locate(tuple(s * n + i for s, n, i in zip(shard, reader.per_shard, b)), index) for b in inner]
+        ranges[path] = sorted((start, end) for _, start, end in filter(None, where))
     return ranges
 
 

@@ -53,7 +53,7 @@ class BrickReader:
         self.fill_value = float(amp.metadata.fill_value)
         self.per_shard = None if shard_shape is None else tuple(s // b for s, b in zip(self.shard_shape, self.bricks))
         self._local = threading.local()  # per thread: decoder, brick buffer, encoded-bytes buffer
-        self._indexes: dict[tuple[int, ...], np.ndarray | None] = {}  # shard -> index (blocking reads)
+        self._indexes: dict[tuple[int, ...], np.ndarray | None] = {}  # shard -> index (see _shard_index)
 
     @classmethod
     def for_array(cls, amp) -> "BrickReader | None":
@@ -125,18 +125,15 @@ class BrickReader:
         proto = default_buffer_prototype()
         if self.shard_shape is None:
             return await asyncio.gather(*(self.store.get(self._key(c), proto) for c in coords))
-        shards = {tuple(c // n for c, n in zip(brick, self.per_shard)) for brick in coords}
+        shards = {self._shard_of(brick) for brick in coords}
         indexes = dict(zip(shards, await asyncio.gather(*(self._shard_index(s, proto) for s in shards))))
 
         async def one(brick):
-            shard = tuple(c // n for c, n in zip(brick, self.per_shard))
-            index = indexes[shard]
-            if index is None:
+            where = self._locate(brick, indexes[self._shard_of(brick)])
+            if where is None:
                 return None
-            offset, nbytes = index[tuple(c % n for c, n in zip(brick, self.per_shard))]
-            if offset == _EMPTY and nbytes == _EMPTY:
-                return None
-            return await self.store.get(self._key(shard), proto, RangeByteRequest(int(offset), int(offset + nbytes)))
+            key, start, end = where
+            return await self.store.get(key, proto, RangeByteRequest(start, end))
 
         return await asyncio.gather(*(one(b) for b in coords))
 
@@ -146,35 +143,55 @@ class BrickReader:
         from zarr.core.buffer import default_buffer_prototype
         from zarr.core.sync import sync
 
-        shard = tuple(c // n for c, n in zip(brick, self.per_shard))
+        shard = self._shard_of(brick)
         index = self._indexes.get(shard, False)
-        if index is False:  # published stores never change: each index is read once
-            index = self._indexes[shard] = sync(self._shard_index(shard, default_buffer_prototype()))
+        if index is False:  # not read yet: the only hop to the event loop
+            index = sync(self._shard_index(shard, default_buffer_prototype()))
+        where = self._locate(brick, index)
+        if where is None:
+            return None
+        key, start, end = where
+        local = self._local
+        if getattr(local, "payload", None) is None or local.payload.size < end - start:
+            local.payload = np.empty(max(end - start, int(np.prod(self.bricks)) * self.dtype.itemsize + 4096),
+                                     np.uint8)
+        got = self.store.read_range_into(key, start, end, local.payload)
+        if got is None:
+            raise FileNotFoundError(f"shard {key} vanished while being read")
+        return got
+
+    def _shard_of(self, brick) -> tuple[int, ...]:
+        return tuple(c // n for c, n in zip(brick, self.per_shard))
+
+    def _locate(self, brick, index: np.ndarray | None) -> tuple[str, int, int] | None:
+        """(shard key, start, end) of ``brick``'s encoded bytes, from its shard's ``index``; None: never
+        written (no shard, or an empty index entry)."""
         if index is None:
             return None
         offset, nbytes = (int(v) for v in index[tuple(c % n for c, n in zip(brick, self.per_shard))])
         if offset == int(_EMPTY) and nbytes == int(_EMPTY):
             return None
-        local = self._local
-        if getattr(local, "payload", None) is None or local.payload.size < nbytes:
-            local.payload = np.empty(max(nbytes, int(np.prod(self.bricks)) * self.dtype.itemsize + 4096), np.uint8)
-        got = self.store.read_range_into(self._key(shard), offset, offset + nbytes, local.payload)
-        if got is None:
-            raise FileNotFoundError(f"shard {self._key(shard)} vanished while being read")
-        return got
+        return self._key(self._shard_of(brick)), offset, offset + nbytes
 
     async def _shard_index(self, shard, proto) -> np.ndarray | None:
-        """[*per_shard, 2] uint64 (offset, nbytes) of each brick in the shard; None if no shard."""
+        """[*per_shard, 2] uint64 (offset, nbytes) of each brick in the shard; None if no shard. Read
+        once per shard and kept in ``_indexes``: published stores never change."""
         from numcodecs.checksum32 import CRC32C
         from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 
+        index = self._indexes.get(shard, False)
+        if index is not False:
+            return index
         size = 16 * int(np.prod(self.per_shard)) + 4
         byte_range = RangeByteRequest(0, size) if self.index_at_start else SuffixByteRequest(size)
         buf = await self.store.get(self._key(shard), proto, byte_range)
-        if buf is None:
-            return None
-        raw = CRC32C().decode(buf.as_numpy_array())  # raises if the index is corrupt
-        return np.frombuffer(raw, dtype="<u8").reshape(*self.per_shard, 2)
+        if buf is not None:
+            raw = CRC32C().decode(buf.as_numpy_array())  # raises if the index is corrupt
+            index = np.frombuffer(raw, dtype="<u8").reshape(*self.per_shard, 2)
+        else:
+            index = None
+        self._indexes[shard] = index
+        return index
 
     def _key(self, coords) -> str:
         key = self.amp.metadata.encode_chunk_key(tuple(int(c) for c in coords))

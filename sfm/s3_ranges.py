@@ -47,10 +47,8 @@ class RangeReadError(Exception):
 
 def reachable_directly(endpoint: str | None) -> bool:
     """False when requests to ``endpoint`` (None: AWS) would have to go through a proxy."""
-    host = urllib.parse.urlsplit(endpoint).hostname if endpoint else "s3.amazonaws.com"
-    proxies = urllib.request.getproxies()
-    scheme = urllib.parse.urlsplit(endpoint).scheme if endpoint else "https"
-    return not proxies.get(scheme) or bool(urllib.request.proxy_bypass(host or ""))
+    parts = urllib.parse.urlsplit(endpoint or "https://s3.amazonaws.com")
+    return not urllib.request.getproxies().get(parts.scheme) or bool(urllib.request.proxy_bypass(parts.hostname or ""))
 
 
 class S3RangeReader:
