@@ -74,7 +74,7 @@ def test_config_rejects_bad_values(kwargs, words):
 
 
 def test_unknown_preset_names_the_valid_ones():
-    with pytest.raises(ValueError, match="tiny, small, base, large, huge"):
+    with pytest.raises(ValueError, match="tiny, mini, small, base, large, huge"):
         mae_config("gigantic")
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 Int3 = tuple[int, int, int]
+TUBE_AXES = ("", "inline", "crossline", "sample")  # MAEConfig.mask_tube: "" or the axis a masked column runs along
 
 
 @dataclass
@@ -39,6 +40,8 @@ class MAEConfig:
     mlp_ratio: float = 4.0
     mask_ratio: float = 0.75
     norm_pix_loss: bool = True
+    mask_tube: str = ""  # "": mask patches independently; "inline" | "crossline" | "sample": whole columns along that axis
+
 
     def __post_init__(self):
         self.crop = _int3("crop", self.crop)
@@ -64,6 +67,9 @@ class MAEConfig:
             raise ValueError(f"MAEConfig: mask_ratio must be in [0, 1), got {self.mask_ratio}")
         if self.mlp_ratio <= 0:
             raise ValueError(f"MAEConfig: mlp_ratio must be > 0, got {self.mlp_ratio}")
+        if self.mask_tube not in TUBE_AXES:
+            raise ValueError(f"MAEConfig: mask_tube must be one of {', '.join(map(repr, TUBE_AXES))}, "
+                             f"got {self.mask_tube!r}")
 
     @property
     def grid(self) -> Int3:
@@ -128,6 +134,19 @@ def sincos_pos_embed_3d(embed_dim: int, grid: tuple[int, int, int]) -> torch.Ten
     if pad:
         parts.append(torch.zeros(gd * gh * gw, pad, dtype=torch.float64))
     return torch.cat(parts, dim=1).float()
+
+
+def tube_noise(noise: torch.Tensor, grid: Int3, axis: str) -> torch.Tensor:
+    """Masking noise [N, L] made constant along ``axis`` of the patch grid (gd, gh, gw) -> [N, L].
+
+    Each column takes the noise of its first patch plus a tie-break far below the spacing of the
+    values, so argsort orders whole columns and, within the column at the cut, its patches.
+    """
+    N = noise.shape[0]
+    g = noise.reshape(N, *grid)
+    dim = {"inline": 1, "crossline": 2, "sample": 3}[axis]
+    first = g.narrow(dim, 0, 1).expand_as(g)
+    return (first + g * 1e-6).reshape(N, -1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,14 +340,16 @@ class MaskedAutoencoder3D(nn.Module):
     # ---- the algorithm ----------------------------------------------------------------------
 
     def random_masking(self, x: torch.Tensor, mask_ratio: float, generator: torch.Generator | None = None,
-                       noise: torch.Tensor | None = None):
+                       noise: torch.Tensor | None = None, grid: Int3 | None = None):
         """Per-sample random masking by argsort of uniform noise.
 
         x: [N, L, E] -> x_kept [N, K, E] with K = max(1, int(L * (1 - mask_ratio))),
         mask [N, L] (0 keep, 1 remove), ids_restore [N, L] (undoes the shuffle).
         The noise [N, L] is ``noise`` if given (a training loop that derives it from the data's
         position makes masks independent of how samples are spread over ranks), else drawn from
-        ``generator`` (default: torch's global RNG).
+        ``generator`` (default: torch's global RNG). With ``cfg.mask_tube`` and the patch ``grid``, every
+        column of patches along that axis shares one noise value (:func:`tube_noise`), so whole columns
+        are kept or masked together (VideoMAE's tubes); only the column cut by K may be split.
         """
         N, L, E = x.shape
         len_keep = max(1, int(L * (1 - mask_ratio)))
@@ -336,6 +357,8 @@ class MaskedAutoencoder3D(nn.Module):
             noise = torch.rand(N, L, device=x.device, generator=generator)
         elif tuple(noise.shape) != (N, L):
             raise ValueError(f"mask noise must be [N, L] = {[N, L]}, got {list(noise.shape)}")
+        if self.cfg.mask_tube and grid is not None:
+            noise = tube_noise(noise, grid, self.cfg.mask_tube)
         ids_shuffle = torch.argsort(noise, dim=1)  # ascending: small noise is kept
         ids_restore = torch.argsort(ids_shuffle, dim=1)
         ids_keep = ids_shuffle[:, :len_keep]
@@ -366,8 +389,8 @@ class MaskedAutoencoder3D(nn.Module):
     def forward_encoder(self, imgs: torch.Tensor, mask_ratio: float, generator: torch.Generator | None = None,
                         noise: torch.Tensor | None = None):
         """imgs [N, C, D, H, W] -> latent [N, 1+K, E], mask [N, L], ids_restore [N, L]."""
-        x, _ = self._embed(imgs)
-        x, mask, ids_restore = self.random_masking(x, mask_ratio, generator, noise)
+        x, grid = self._embed(imgs)
+        x, mask, ids_restore = self.random_masking(x, mask_ratio, generator, noise, grid)
         x = self._run(self.blocks, self._with_cls(x))
         return self.norm(x), mask, ids_restore
 
