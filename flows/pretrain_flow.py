@@ -71,7 +71,8 @@ class PretrainFlow(FlowSpec):
                                            strategy=self.strategy).to_dict()
             self.root = storage.normalize(self.data_root)
             self.job = pipeline.resolve_init_from(JobConfig.from_dict(self.job), self.init_from, self.root).to_dict()
-            self.plan = pipeline.plan_surveys(self.surveys, self.held_out, self.root)
+            self.plan = pipeline.plan_surveys(self.surveys, self.held_out, self.root,
+                                             JobConfig.from_dict(self.job).synth)
         self.run_key = current.run_id  # a resumed run clones this step, so it keeps the original key
         self.next(self.ingest, foreach="plan")
 
@@ -128,7 +129,8 @@ class PretrainFlow(FlowSpec):
     @card(type="blank", id="evaluation", timeout=600)  # rendering waits for a busy machine rather than dropping the card
     @step
     def evaluate(self, inputs):
-        """Held-out metrics against the baselines, the fault probe, and the card (loss curve, slices, tables)."""
+        """Held-out reconstruction against the baselines, the downstream evaluation (fine-tuned fault
+        segmentation, pretrained vs random init), and the card (loss curve, slices, label efficiency, tables)."""
         from sfm import pipeline
         from sfm.card import evaluation_components
         from sfm.config import JobConfig
@@ -138,9 +140,9 @@ class PretrainFlow(FlowSpec):
         self.model_url = self.train_summary["model_url"]
         cfg = JobConfig.from_dict(self.job)
         with user_errors():
-            self.metrics = pipeline.evaluate(self.model_url, self.held_out_stores, cfg)
-            for component in evaluation_components(self.model_url, self.held_out_stores, cfg, self.train_summary,
-                                                   self.metrics):
+            self.metrics, figures = pipeline.evaluate(self.model_url, self.held_out_stores, cfg)
+            for component in evaluation_components(self.model_url, self.held_out_stores, self.train_summary,
+                                                   self.metrics, figures):
                 current.card["evaluation"].append(component)
         self.next(self.register)
 
@@ -155,7 +157,8 @@ class PretrainFlow(FlowSpec):
         with user_errors():
             record = pipeline.register(self.root, JobConfig.from_dict(self.job), model_url=self.model_url,
                                        metrics=self.metrics, run_pathspec=pathspec, surveys=self.train_stores,
-                                       held_out=self.held_out_stores)
+                                       held_out=self.held_out_stores,
+                                       snapshots=self.train_summary.get("snapshots"))
         self.model_name, self.model_version, self.champion = record["model_name"], record["version"], record["champion"]
         Run(pathspec).add_tag(f"model:{self.model_name}:v{self.model_version}")
         self.next(self.end)
@@ -163,9 +166,12 @@ class PretrainFlow(FlowSpec):
     @step
     def end(self):
         s = self.train_summary
+        m = self.metrics
+        gains = ", ".join(f"{k[len('ft_ap_gain_b'):]} vol {v:+.3f}" for k, v in m.items() if k.startswith("ft_ap_gain_b"))
         print(f"trained {s['steps']} steps: loss {s['initial_loss']:.4f} -> {s['final_loss']:.4f}; "
-              f"held-out masked NMSE {self.metrics['masked_nmse']:.4f} vs zero baseline "
-              f"{self.metrics['baseline_zero_nmse']:.4f}; registered {self.model_name} v{self.model_version}")
+              f"held-out masked NMSE {m['masked_nmse']:.4f} vs zero baseline {m['baseline_zero_nmse']:.4f}; "
+              f"{'fine-tuned AP gain over random init: ' + gains + '; ' if gains else ''}"
+              f"registered {self.model_name} v{self.model_version}")
 
 
 if __name__ == "__main__":

@@ -1,27 +1,27 @@
-"""The evaluation report as a Metaflow card: loss curve, slices of one held-out crop, metrics tables.
+"""The evaluation report as a Metaflow card: loss curve, reconstruction, downstream value, tables.
 
 Images are drawn with Pillow (no plotting library needed):
 
 - the training loss against the step;
-- for the first held-out evaluation crop (the same crop and mask :func:`sfm.evaluate.evaluate_model`
-  scores first): an inline, a crossline and a time slice of the input, of the masked input (hidden
-  patches grey) and of the reconstruction (visible patches as given, hidden ones predicted by the
-  model and brought back to amplitudes the way the voxel-space metric does: interpolated level,
-  visible scale; no statistic of a hidden patch is used);
-- the metrics table (target and voxel space, every baseline) and the fault probe.
+- the first held-out evaluation crop (the one :func:`sfm.evaluate.evaluate_model` scores first, handed
+  over by it, not recomputed): inline, crossline and time slices of the input, of the masked input
+  (hidden patches grey), of the target (every patch normalised, the loss's space) and of the
+  reconstruction in that space (hidden patches predicted by the model);
+- the label-efficiency plot of the downstream evaluation (average precision of fault voxels against
+  the number of labelled volumes, pretrained and random initialisation, every seed) and one test
+  volume's inline with its true faults and both fine-tuned networks' predictions;
+- the tables: reconstruction against the baselines, fine-tuning and frozen probes per budget.
 
 :func:`evaluation_components` returns the card components; the flow appends them to its card.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageDraw
-
-from sfm.config import JobConfig
 
 SCALE = 4  # screen pixels per voxel in the slice images
 SLICES = ("inline", "crossline", "time")
@@ -85,48 +85,107 @@ def loss_curve(history: list[dict[str, Any]], size: tuple[int, int] = (640, 320)
     return img
 
 
-def reconstruction_panels(model, store_urls: list[str], cfg: JobConfig) -> dict[str, dict[str, Image.Image]]:
-    """{"input" | "masked input" | "reconstruction": {slice name: image}} for the first evaluation crop."""
-    from sfm.data import CropSampler
-    from sfm.evaluate import predictions, survey_mean_standardised, visible_voxels
-
-    sampler = CropSampler(store_urls, tuple(model.cfg.crop), seed=cfg.eval.seed,
-                          min_live_fraction=cfg.data.min_live_fraction)
-    state = torch.get_rng_state()
-    torch.manual_seed(cfg.eval.seed)  # the mask evaluate_model draws for its first batch
-    model.eval()
-    try:
-        imgs = torch.from_numpy(sampler.read_many(list(range(min(cfg.eval.batch_size, cfg.eval.crops)))))
-        with torch.no_grad():
-            _, pred, mask = model(imgs)
-            means = torch.tensor([survey_mean_standardised(sampler, i) for i in range(imgs.shape[0])])
-            _, voxel_preds = predictions(model, imgs, pred, mask, means)
-            visible = visible_voxels(model, imgs, mask)
-    finally:
-        torch.set_rng_state(state)
-        sampler.close()
-    grid = model.grid_shape(imgs)
-    recon = model.unpatchify(voxel_preds["model"], grid)[:, 0]
-    x = imgs[0, 0].numpy()
-    vis = visible[0].numpy()
-    rec = np.where(vis, x, recon[0].numpy())
+def reconstruction_panels(example: dict[str, np.ndarray]) -> dict[str, dict[str, Image.Image]]:
+    """{"input" | "masked input" | "target" | "reconstruction": {slice name: image}} for the crop
+    ``example`` (filled by :func:`sfm.evaluate.evaluate_model`)."""
+    x, vis = example["input"], example["visible"]
     clip = float(np.percentile(np.abs(x), 98)) or 1.0
-    rows = {"input": (x, None), "masked input": (x, ~vis), "reconstruction": (rec, None)}
-    return {row: {name: colorize(plane, clip, None if hidden is None else slices(hidden)[name])
+    clip_t = float(np.percentile(np.abs(example["target"]), 98)) or 1.0
+    rows = {"input": (x, None, clip), "masked input": (x, ~vis, clip), "target": (example["target"], None, clip_t),
+            "reconstruction": (example["prediction"], None, clip_t)}
+    return {row: {name: colorize(plane, c, None if hidden is None else slices(hidden)[name])
                   for name, plane in slices(values).items()}
-            for row, (values, hidden) in rows.items()}
+            for row, (values, hidden, c) in rows.items()}
 
 
-def evaluation_components(model_url: str, held_out_stores: list[str], cfg: JobConfig, train_summary: dict[str, Any],
-                          metrics: dict[str, Any]) -> list:
-    """Metaflow card components: title, loss curve, the slices table, the metrics tables."""
+PLOT_COLOURS = {"pretrained": (200, 30, 30), "random": (40, 70, 200)}
+
+
+def label_efficiency_plot(downstream: dict[str, Any], size: tuple[int, int] = (640, 360)) -> Image.Image:
+    """Average precision of fault voxels against labelled volumes (log axis), both initialisations:
+    a line through the seed means and a dot per seed."""
+    width, height = size
+    left, right, top, bottom = 60, 140, 20, 40
+    img = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(img)
+    budgets = sorted(int(b) for b in downstream["budgets"])
+    runs = {init: [[r["ap"] for r in downstream["budgets"][str(b)][f"ft_{init}"]] for b in budgets]
+            for init in PLOT_COLOURS}
+    values = [v for per in runs.values() for seeds in per for v in seeds]
+    lo, hi = min(values + [0.0]), max(values + [0.01])
+    hi = hi + 0.05 * (hi - lo)
+    span = math.log(budgets[-1] / budgets[0]) if len(budgets) > 1 else 1.0
+
+    def xy(budget: float, ap: float) -> tuple[float, float]:
+        frac = math.log(budget / budgets[0]) / span if len(budgets) > 1 else 0.5
+        return (left + frac * (width - left - right), height - bottom - (ap - lo) / (hi - lo) * (height - top - bottom))
+
+    draw.rectangle([left, top, width - right, height - bottom], outline="black")
+    draw.text((left + (width - left - right) // 2 - 50, height - 18), "labelled volumes", fill="black")
+    draw.text((5, top - 15), "AP (fault voxels)", fill="black")
+    for frac in (0.0, 0.5, 1.0):
+        value = lo + frac * (hi - lo)
+        draw.text((5, xy(budgets[0], value)[1] - 6), f"{value:.3f}", fill="black")
+    for b in budgets:
+        draw.text((xy(b, lo)[0] - 4, height - bottom + 4), str(b), fill="black")
+    for k, (init, colour) in enumerate(PLOT_COLOURS.items()):
+        means = [xy(b, float(np.mean(seeds))) for b, seeds in zip(budgets, runs[init])]
+        if len(means) > 1:
+            draw.line(means, fill=colour, width=2)
+        for b, seeds in zip(budgets, runs[init]):
+            for v in seeds:
+                cx, cy = xy(b, v)
+                draw.ellipse([cx - 3, cy - 3, cx + 3, cy + 3], outline=colour)
+        draw.line([width - right + 10, top + 10 + 18 * k, width - right + 30, top + 10 + 18 * k], fill=colour, width=2)
+        draw.text((width - right + 35, top + 4 + 18 * k), init, fill="black")
+    return img
+
+
+def fault_panels(example: dict[str, Any]) -> dict[str, Image.Image]:
+    """The inline of a test volume that most faults cross: amplitude, with true faults, and each
+    network's prediction."""
+    i = int(np.argmax(example["faults"].reshape(example["faults"].shape[0], -1).sum(axis=1)))
+    amplitude = example["amplitude"][i].T
+    clip = float(np.percentile(np.abs(amplitude), 98)) or 1.0
+    gray = np.clip(amplitude / clip * 0.5 + 0.5, 0, 1)
+
+    def overlay(mask: np.ndarray) -> Image.Image:
+        rgb = np.stack([gray, gray, gray], axis=-1)
+        rgb[mask] = (1.0, 0.1, 0.1)
+        out = Image.fromarray((rgb * 255).round().astype(np.uint8), mode="RGB")
+        return out.resize((out.width * 2, out.height * 2), Image.NEAREST)
+
+    panels = {"amplitude": overlay(np.zeros_like(gray, bool)), "true faults": overlay(example["faults"][i].T > 0)}
+    for init in PLOT_COLOURS:
+        if init in example:
+            panels[f"{init}: fault probability"] = colorize(example[init][i].T * 2 - 1, 1.0)
+    return panels
+
+
+def downstream_table(metrics: dict[str, Any]) -> list[list[str]]:
+    """Rows per budget: fine-tuned AP (pretrained, random, gain, every seed), F1 and IoU, frozen probes' AP."""
+    rows = []
+    for b in metrics["downstream"]["recipe"]["budgets"]:
+        row = [str(b), f"{metrics[f'ft_ap_b{b}']:.4f}", f"{metrics[f'ft_ap_random_b{b}']:.4f}",
+               f"{metrics[f'ft_ap_gain_b{b}']:+.4f}", "yes" if metrics[f"ft_all_seeds_gain_b{b}"] else "no",
+               f"{metrics[f'ft_f1_b{b}']:.3f} / {metrics[f'ft_f1_random_b{b}']:.3f}",
+               f"{metrics[f'ft_iou_b{b}']:.3f} / {metrics[f'ft_iou_random_b{b}']:.3f}"]
+        for kind in ("linear", "knn"):
+            key = f"{kind}_ap_b{b}"
+            row.append(f"{metrics[key]:.4f} / {metrics[f'{kind}_ap_random_b{b}']:.4f}" if key in metrics else "-")
+        rows.append(row)
+    return rows
+
+
+def evaluation_components(model_url: str, held_out_stores: list[str], train_summary: dict[str, Any],
+                          metrics: dict[str, Any], figures: dict[str, dict]) -> list:
+    """Metaflow card components: title, loss curve, the slices, the downstream plot and the tables.
+    ``figures``: {"reconstruction": evaluate_model's example, "faults": evaluate_downstream's example}."""
     from metaflow.cards import Image as CardImage
     from metaflow.cards import Markdown, Table
 
     from sfm.evaluate import metrics_table
-    from sfm.model.io import load
 
-    model = load(model_url)
     history = train_summary.get("history") or []
     components: list = [
         Markdown(f"# Evaluation of `{model_url}`\n\n{train_summary.get('steps', '?')} training steps; "
@@ -134,26 +193,36 @@ def evaluation_components(model_url: str, held_out_stores: list[str], cfg: JobCo
         Markdown("## Training loss"),
         CardImage.from_pil_image(loss_curve(history), label="training loss (masked-patch MSE, normalised patches)"),
         Markdown("## One held-out crop\n\nMiddle inline, crossline and time slices of the first evaluation crop. "
-                 "Grey: hidden patches. Reconstruction: visible patches as given, hidden patches predicted "
-                 "(level from interpolation, scale from the visible voxels)."),
+                 "Grey: hidden patches. Target and reconstruction are in the loss's space (every patch "
+                 "normalised); the reconstruction shows the model's prediction on hidden patches."),
     ]
-    panels = reconstruction_panels(model, held_out_stores, cfg)
+    panels = reconstruction_panels(figures["reconstruction"])
     rows = [[Markdown(f"**{row}**")] + [CardImage.from_pil_image(images[name], label=f"{row}: {name} slice")
                                         for name in SLICES] for row, images in panels.items()]
     components.append(Table(rows, headers=["", *[f"{name} slice" for name in SLICES]]))
-    components.append(Markdown("## Masked-patch reconstruction (held-out surveys)\n\nNMSE: lower is better; "
-                               "target space = per-patch normalised (the loss's space), voxel space = "
-                               "standardised amplitudes."))
-    components.append(Table(metrics_table(metrics),
-                            headers=["predictor", "target NMSE", "target PSNR dB", "voxel NMSE", "voxel PSNR dB"]))
-    if "probe_f1" in metrics:
-        components.append(Markdown("## Fault probe (frozen encoder, synthetic labelled volumes)"))
-        components.append(Table([
-            ["pretrained encoder", f"{metrics['probe_f1']:.3f}", f"{metrics['probe_iou']:.3f}"],
-            ["random encoder", f"{metrics['probe_random_f1']:.3f}", f"{metrics['probe_random_iou']:.3f}"],
-            ["every patch a fault", f"{metrics['probe_all_positive_f1']:.3f}", "-"],
-        ], headers=["features", "F1", "IoU"]))
+    components.append(Markdown("## Masked-patch reconstruction (held-out surveys)\n\nNMSE: lower is better, "
+                               "in the loss's space (every patch normalised)."))
+    components.append(Table(metrics_table(metrics), headers=["predictor", "NMSE", "PSNR dB"]))
+    if "downstream" in metrics:
+        components.append(Markdown(
+            "## Downstream: fault segmentation fine-tuned from the pretrained encoder and from random "
+            "initialisation\n\nAverage precision of fault voxels on held-out labelled volumes (higher is better), "
+            "per number of labelled training volumes; every seed is a dot. F1 / IoU at the threshold chosen on "
+            "the training volumes. Frozen probes: linear head / kNN on the frozen tokens, pretrained / random."))
+        components.append(CardImage.from_pil_image(label_efficiency_plot(metrics["downstream"]),
+                                                   label="label efficiency: AP against labelled volumes"))
+        components.append(Table(downstream_table(metrics), headers=[
+            "labelled volumes", "AP pretrained", "AP random", "gain", "every seed gained", "F1 pre / rnd",
+            "IoU pre / rnd", "linear probe AP pre / rnd", "kNN AP pre / rnd"]))
+        if figures.get("faults"):
+            faults = figures["faults"]
+            components.append(Markdown(f"### One test volume (middle inline), fine-tuned on {faults['budget']} "
+                                       "labelled volume(s), seed 0"))
+            images = fault_panels(faults)
+            components.append(Table([[CardImage.from_pil_image(im, label=name) for name, im in images.items()]],
+                                    headers=list(images)))
     return components
 
 
-__all__ = ["evaluation_components", "loss_curve", "reconstruction_panels", "colorize", "slices"]
+__all__ = ["evaluation_components", "loss_curve", "reconstruction_panels", "label_efficiency_plot", "fault_panels",
+           "downstream_table", "colorize", "slices"]

@@ -34,7 +34,7 @@ class DataConfig:
     min_live_fraction: float = 0.5
     seed: int = 0
     align: str = "voxel"  # crop origins anywhere, or "brick": on the store's brick grid (no read amplification)
-    augment: str = ""  # comma list of flip_inline, flip_crossline, swap (swap only when crop IL == XL)
+    augment: str = "flip_inline,flip_crossline,swap"  # any of these, comma-separated; swap only when crop IL == XL
     workers: int = 0  # DataLoader worker processes per rank; 0 reads on threads of the training process
     read_threads: int = 8  # crop tiles read at once per process (each fetches its bricks concurrently)
     prefetch: int = 2  # batches each worker reads ahead
@@ -46,7 +46,10 @@ class DataConfig:
 class ModelConfig:
     preset: str = "tiny"
     mask_ratio: float = 0.75
+    mask_tube: str = ""  # "": patches masked independently; inline | crossline | sample: whole columns along it
     patch: tuple[int, int, int] | None = None  # None: the preset's
+    decoder_depth: int = 0  # 0: the preset's
+    decoder_embed_dim: int = 0  # 0: the preset's
 
 
 @dataclass
@@ -67,6 +70,7 @@ class TrainConfig:
     log_every: int = 10
     threads_per_process: int = 0  # 0: torch's default
     init_from: str = ""  # URL of a registered/exported model to continue pretraining from
+    snapshots: tuple[float, ...] = ()  # fractions of max_steps at which the model is also exported (snapshots/step-N)
 
 
 @dataclass
@@ -108,11 +112,32 @@ class ClusterConfig:
 
 @dataclass
 class EvalConfig:
+    """Held-out reconstruction (``crops``) and the downstream evaluation (sfm.downstream): the encoder
+    fine-tuned for fault segmentation against random initialisation at each label budget."""
+
     crops: int = 16
     batch_size: int = 8
     seed: int = 1234
-    probe_train_volumes: int = 8  # labelled synthetic volumes the fault probe's head trains on (0: no probe)
-    probe_test_volumes: int = 4  # volumes it is scored on
+    downstream: bool = True  # false: reconstruction metrics only (fast test runs)
+    budgets: tuple[int, ...] = (1, 4)  # labelled volumes per fine-tuning run (configs/quality_cpu.toml: 1, 4, 16)
+    seeds: int = 3  # paired seeds per budget (pretrained and random see the same crops)
+    test_volumes: int = 4  # held-out labelled volumes, seeds disjoint from the labelled pool's
+    volume: tuple[int, int, int] = (64, 64, 64)  # labelled volume shape (IL, XL, NS)
+    finetune_steps: int = 60
+    finetune_batch: int = 4
+    finetune_lr: float = 1e-3  # the head's; encoder layer k of d learns at lr * layer_decay^(d + 1 - k)
+    layer_decay: float = 0.75
+    probes: bool = True  # frozen linear-head and kNN probes too
+    knn: int = 16  # neighbours of the kNN probe
+
+
+@dataclass
+class SynthConfig:
+    """The surveys generated into <data-root>/landing when a run names none (sfm.synth)."""
+
+    train_surveys: int = 2
+    held_out_surveys: int = 1
+    shape: tuple[int, int, int] = (64, 64, 128)  # IL, XL, NS of each
 
 
 @dataclass
@@ -138,6 +163,7 @@ class JobConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    synth: SynthConfig = field(default_factory=SynthConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     retrain: RetrainConfig = field(default_factory=RetrainConfig)
 
@@ -225,7 +251,7 @@ def _coerce(dotted: str, current: Any, fld: dataclasses.Field, value: Any) -> An
     try:
         if type_text.startswith("tuple"):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                n = 3 if "int, int, int" in type_text else len(current or ())
+                n = 1 if "..." in type_text else 3 if "int, int, int" in type_text else len(current or ())
                 value = [value] * n
             if value is None:
                 return None

@@ -1,9 +1,7 @@
 """Masked-patch reconstruction on held-out surveys, for the model and for baselines that need no training.
 
 Every predictor is scored by the same code on the same crops and masks (fixed by ``eval.seed``), over
-the voxels of masked patches only, in two spaces:
-
-**Target space** (the loss's own space, ``model.patch_targets``): with ``norm_pix_loss`` every patch
+the voxels of masked patches only, in the loss's own space (``model.patch_targets``): with ``norm_pix_loss`` every patch
 is normalised by its own mean and std, ``t = (x - mu_patch) / sd_patch``. This is what the model is
 trained to predict and what the registry compares (``masked_nmse``). A voxel-space prediction ``p``
 enters it through the same map, ``(p - mu_patch) / sd_patch``, with the true patch's statistics; so:
@@ -15,23 +13,16 @@ enters it through the same map, ``(p - mu_patch) / sd_patch``, with the true pat
   in target space, never better than ``zero``.
 - ``interp`` fills masked voxels from the visible patches (:func:`interpolate_masked`).
 
-**Voxel space** (the standardised amplitudes the sampler returns: clipped to the survey's 0.1/99.9
-percentiles, minus the survey mean, over the survey std). Here the per-survey mean is 0 up to the
-clipping, so ``mean`` and "predict zero" are the same baseline. The model predicts normalised patches,
-so its voxel-space prediction needs each masked patch's mean and std, which are hidden. We do *not*
-use the true ones (that would hand the model an oracle the baselines lack): the mean comes from the
-``interp`` prediction of that patch and the std is the std of the crop's visible voxels. The
-voxel-space model figure is therefore "model shape + interpolated level + visible scale"; it is the
-fair comparison with the baselines, and it is pessimistic for the model where the visible scale is
-a poor guess.
+There is no voxel-space figure for the model: with ``norm_pix_loss`` it predicts each hidden patch's
+shape, not its level or scale, and any way of supplying those (interpolated level, visible scale)
+would score the supplier more than the model.
 
-Metrics, per space and predictor, over all masked voxels of all crops:
+Metrics, per predictor, over all masked voxels of all crops:
 
 - ``nmse`` = sum (pred - target)^2 / sum (target - mean(target))^2;
 - ``psnr`` = 10 log10(peak^2 / mse) with peak = max |target|.
 
-Metric names: ``masked_nmse``/``masked_psnr`` (model, target space), ``baseline_<name>_nmse``/``_psnr``
-(target space), ``voxel_<name>_nmse``/``_psnr`` (voxel space, ``name`` in model, mean, interp).
+Metric names: ``masked_nmse``/``masked_psnr`` (the model), ``baseline_<name>_nmse``/``_psnr``.
 """
 
 from __future__ import annotations
@@ -46,7 +37,6 @@ from sfm.config import JobConfig
 from sfm.data import CropSampler
 
 TARGET_PREDICTORS = ("model", "zero", "mean", "interp")
-VOXEL_PREDICTORS = ("model", "mean", "interp")
 
 
 class MaskedError:
@@ -161,35 +151,19 @@ def visible_voxels(model, imgs: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
 
 
 def predictions(model, imgs: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor,
-                survey_means: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Every predictor's prediction of every patch, in target space and in voxel space.
+                survey_means: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every predictor's prediction of every patch in target space: {TARGET_PREDICTORS name: [N, L, P]}.
 
     imgs [N, 1, D, H, W]; pred [N, L, P] (the model's, target space); mask [N, L] (1 masked);
-    survey_means [N] (each crop's survey mean in the standardised space). Returns two dicts of
-    [N, L, P]: target-space predictions (TARGET_PREDICTORS) and voxel-space ones (VOXEL_PREDICTORS).
+    survey_means [N] (each crop's survey mean in the standardised space).
     """
     mu, sd = patch_stats(model, imgs)
     patches = model.patchify(imgs).float()
     visible = visible_voxels(model, imgs, mask)
     interp = model.patchify(interpolate_masked(imgs[:, 0], visible)[:, None])
     mean = survey_means.float()[:, None, None].expand_as(patches)
-
-    # the model's voxel-space prediction: its normalised shape, the interpolated level of the patch,
-    # the scale of the crop's visible voxels (no statistic of the hidden patch is used)
-    vis_std = torch.stack([imgs[i, 0][visible[i]].float().std() if visible[i].sum() > 1 else
-                           torch.tensor(1.0) for i in range(imgs.shape[0])])
-    if model.cfg.norm_pix_loss:
-        model_voxel = pred.float() * vis_std[:, None, None] + interp.mean(dim=-1, keepdim=True)
-    else:
-        model_voxel = pred.float()
-
-    def to_target(p: torch.Tensor) -> torch.Tensor:
-        return (p - mu) / sd
-
-    target_preds = {"model": pred.float(), "zero": torch.zeros_like(patches), "mean": to_target(mean),
-                    "interp": to_target(interp)}
-    voxel_preds = {"model": model_voxel, "mean": mean, "interp": interp}
-    return target_preds, voxel_preds
+    return {"model": pred.float(), "zero": torch.zeros_like(patches), "mean": (mean - mu) / sd,
+            "interp": (interp - mu) / sd}
 
 
 def survey_mean_standardised(sampler: CropSampler, index: int) -> float:
@@ -198,12 +172,17 @@ def survey_mean_standardised(sampler: CropSampler, index: int) -> float:
     return float((np.clip(s.mean, *s.clip) - s.mean) / s.std)
 
 
-def evaluate_model(model, store_urls: list[str], cfg: JobConfig) -> dict[str, Any]:
-    """Score ``model`` and the baselines on ``eval.crops`` held-out crops with fixed masks."""
+def evaluate_model(model, store_urls: list[str], cfg: JobConfig, example: dict | None = None) -> dict[str, Any]:
+    """Score ``model`` and the baselines on ``eval.crops`` held-out crops with fixed masks.
+
+    ``example``, if given, receives the first crop for a report: ``input`` [D, H, W] (standardised
+    amplitudes), ``visible`` [D, H, W] bool, ``target`` and ``prediction`` [D, H, W] (target space:
+    every patch normalised; the prediction holds the model's output on hidden patches and the target
+    on visible ones).
+    """
     crop = tuple(model.cfg.crop)
     sampler = CropSampler(store_urls, crop, seed=cfg.eval.seed, min_live_fraction=cfg.data.min_live_fraction)
     target_scores = {name: MaskedError() for name in TARGET_PREDICTORS}
-    voxel_scores = {name: MaskedError() for name in VOXEL_PREDICTORS}
     generator_state = torch.get_rng_state()
     torch.manual_seed(cfg.eval.seed)  # same masks for every model evaluated with this config
     model.eval()
@@ -214,18 +193,20 @@ def evaluate_model(model, store_urls: list[str], cfg: JobConfig) -> dict[str, An
                 imgs = torch.from_numpy(sampler.read_many(indices))
                 _, pred, mask = model(imgs)
                 means = torch.tensor([survey_mean_standardised(sampler, i) for i in indices])
-                target_preds, voxel_preds = predictions(model, imgs, pred, mask, means)
                 target = model.patch_targets(imgs)
-                voxels = model.patchify(imgs).float()
-                for name, p in target_preds.items():
+                for name, p in predictions(model, imgs, pred, mask, means).items():
                     target_scores[name].add(p, target, mask)
-                for name, p in voxel_preds.items():
-                    voxel_scores[name].add(p, voxels, mask)
+                if example is not None and first == 0:
+                    grid = model.grid_shape(imgs)
+                    keep = mask[:1, :, None].bool()
+                    example.update(input=imgs[0, 0].numpy(), visible=visible_voxels(model, imgs[:1], mask[:1])[0].numpy(),
+                                   target=model.unpatchify(target[:1], grid)[0, 0].numpy(),
+                                   prediction=model.unpatchify(torch.where(keep, pred[:1].float(), target[:1]),
+                                                               grid)[0, 0].numpy())
     finally:
         torch.set_rng_state(generator_state)
         sampler.close()
     target = {name: acc.result() for name, acc in target_scores.items()}
-    voxel = {name: acc.result() for name, acc in voxel_scores.items()}
     metrics: dict[str, Any] = {
         "masked_nmse": target["model"]["nmse"], "masked_psnr": target["model"]["psnr"],
         "crops": cfg.eval.crops, "crop": list(crop), "mask_ratio": model.cfg.mask_ratio,
@@ -233,35 +214,27 @@ def evaluate_model(model, store_urls: list[str], cfg: JobConfig) -> dict[str, An
     for name in TARGET_PREDICTORS[1:]:
         metrics[f"baseline_{name}_nmse"] = target[name]["nmse"]
         metrics[f"baseline_{name}_psnr"] = target[name]["psnr"]
-    for name in VOXEL_PREDICTORS:
-        metrics[f"voxel_{name}_nmse"] = voxel[name]["nmse"]
-        metrics[f"voxel_{name}_psnr"] = voxel[name]["psnr"]
     metrics["beats_zero_baseline"] = bool(metrics["masked_nmse"] < metrics["baseline_zero_nmse"])
     metrics["beats_interp_baseline"] = bool(metrics["masked_nmse"] < metrics["baseline_interp_nmse"])
     return metrics
 
 
 def metrics_table(metrics: dict[str, Any]) -> list[list[str]]:
-    """Rows [predictor, target NMSE, target PSNR, voxel NMSE, voxel PSNR] for reports and cards."""
+    """Rows [predictor, NMSE, PSNR] (target space) for reports and cards."""
     def cell(key: str) -> str:
         value = metrics.get(key)
         return "-" if value is None else f"{value:.4f}" if "nmse" in key else f"{value:.2f}"
 
-    rows = [["model", cell("masked_nmse"), cell("masked_psnr"), cell("voxel_model_nmse"), cell("voxel_model_psnr")]]
+    rows = [["model", cell("masked_nmse"), cell("masked_psnr")]]
     labels = {"zero": "zero (true patch mean)", "mean": "per-survey mean", "interp": "trilinear interpolation"}
-    for name, label in labels.items():
-        rows.append([label, cell(f"baseline_{name}_nmse"), cell(f"baseline_{name}_psnr"),
-                     cell(f"voxel_{name}_nmse") if name != "zero" else "-",
-                     cell(f"voxel_{name}_psnr") if name != "zero" else "-"])
+    rows += [[label, cell(f"baseline_{name}_nmse"), cell(f"baseline_{name}_psnr")] for name, label in labels.items()]
     return rows
 
 
 def summarize(metrics: dict[str, Any]) -> str:
     return (f"held-out masked NMSE {metrics['masked_nmse']:.4f} (zero {metrics['baseline_zero_nmse']:.4f}, "
-            f"mean {metrics['baseline_mean_nmse']:.4f}, interp {metrics['baseline_interp_nmse']:.4f}); "
-            f"voxel space {metrics['voxel_model_nmse']:.4f} (mean {metrics['voxel_mean_nmse']:.4f}, "
-            f"interp {metrics['voxel_interp_nmse']:.4f}); PSNR {metrics['masked_psnr']:.2f} dB over "
-            f"{metrics['crops']} crops")
+            f"mean {metrics['baseline_mean_nmse']:.4f}, interp {metrics['baseline_interp_nmse']:.4f}), "
+            f"PSNR {metrics['masked_psnr']:.2f} dB over {metrics['crops']} crops (per-patch normalised targets)")
 
 
 __all__ = ["evaluate_model", "interpolate_masked", "MaskedError", "predictions", "metrics_table", "summarize"]

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from sfm import manifest, registry, storage
-from sfm.config import JobConfig
+from sfm.config import JobConfig, SynthConfig
 from sfm.errors import SFMError
 
-DEMO_SHAPE = (64, 64, 128)
-DEMO_SURVEYS = (("demo-train-0", 0, False), ("demo-train-1", 1, False), ("demo-heldout-0", 2, True))
+HELD_OUT_SEED = 500  # generated held-out surveys: seeds 500, 501, ...; training surveys 0, 1, ...
 
 
 def job_config(config: dict | None, *, preset: str = "", max_steps: int = 0, nodes: int = 1,
@@ -40,8 +39,9 @@ def job_config(config: dict | None, *, preset: str = "", max_steps: int = 0, nod
     return cfg
 
 
-def plan_surveys(surveys: str, held_out: str, data_root: str) -> list[dict[str, Any]]:
-    """The surveys to ingest, each {"url", "held_out"}; generates the demo surveys when none are named.
+def plan_surveys(surveys: str, held_out: str, data_root: str, synth: SynthConfig | None = None
+                 ) -> list[dict[str, Any]]:
+    """The surveys to ingest, each {"url", "held_out"}; generates ``synth``'s surveys when none are named.
 
     Every named source is checked now (exists, reads as SEG-Y), so a bad entry fails the run before
     anything is written, with a one-line error naming it.
@@ -52,7 +52,7 @@ def plan_surveys(surveys: str, held_out: str, data_root: str) -> list[dict[str, 
     if not train_urls:
         if held_urls:
             raise SFMError("--held-out was given without --surveys; name the training surveys too")
-        return generate_demo_surveys(data_root)
+        return generate_demo_surveys(data_root, synth)
     overlap = set(map(storage.normalize, train_urls)) & set(map(storage.normalize, held_urls))
     if overlap:
         raise SFMError(f"{sorted(overlap)[0]} is both a training and a held-out survey; split by survey")
@@ -73,17 +73,24 @@ def plan_surveys(surveys: str, held_out: str, data_root: str) -> list[dict[str, 
     return plan
 
 
-def generate_demo_surveys(data_root: str) -> list[dict[str, Any]]:
-    """Write the three demo surveys (and their fault labels) into ``<data_root>/landing``."""
+def generate_demo_surveys(data_root: str, synth: SynthConfig | None = None) -> list[dict[str, Any]]:
+    """Write the generated surveys (and their fault labels) into ``<data_root>/landing``: ``synth``'s
+    training surveys ``demo-train-<k>`` (seed k) and held-out ``demo-heldout-<k>`` (seed 500 + k)."""
     from sfm.synth import synth_survey
 
+    synth = synth or SynthConfig()
+    if synth.train_surveys < 1 or synth.held_out_surveys < 1:
+        raise SFMError(f"synth.train_surveys = {synth.train_surveys} and synth.held_out_surveys = "
+                       f"{synth.held_out_surveys} must both be at least 1 when no --surveys are named")
+    surveys = [(f"demo-train-{k}", k, False) for k in range(synth.train_surveys)]
+    surveys += [(f"demo-heldout-{k}", HELD_OUT_SEED + k, True) for k in range(synth.held_out_surveys)]
     landing = storage.join(data_root, "landing")
     plan = []
     with tempfile.TemporaryDirectory(prefix="sfm-demo-") as tmp:
-        for name, seed, held in DEMO_SURVEYS:
+        for name, seed, held in surveys:
             url = storage.join(landing, f"{name}.sgy")
             if not storage.exists(url):
-                result = synth_survey(os.path.join(tmp, f"{name}.sgy"), shape=DEMO_SHAPE, seed=seed)
+                result = synth_survey(os.path.join(tmp, f"{name}.sgy"), shape=synth.shape, seed=seed)
                 storage.upload(result["faults"], storage.join(landing, Path(result["faults"]).name))
                 storage.upload(result["segy"], url)  # the SEG-Y last: present means complete
             plan.append({"url": url, "held_out": held})
@@ -148,21 +155,26 @@ def resolve_init_from(cfg: JobConfig, init_from: str, data_root: str) -> JobConf
     return cfg
 
 
-def evaluate(model_url: str, held_out_stores: list[str], cfg: JobConfig) -> dict[str, Any]:
-    """Held-out reconstruction metrics and baselines, plus the fault probe (pretrained vs random encoder)."""
+def evaluate(model_url: str, held_out_stores: list[str], cfg: JobConfig) -> tuple[dict[str, Any], dict[str, dict]]:
+    """Held-out reconstruction metrics and baselines, plus the downstream evaluation (the encoder
+    fine-tuned for fault segmentation against random initialisation, and frozen probes).
+
+    Returns (metrics, figures): figures holds the arrays the card draws (``reconstruction``: the first
+    evaluation crop; ``faults``: a test volume with both networks' predictions), not kept as artifacts.
+    """
     from sfm.evaluate import evaluate_model, summarize
     from sfm.model.io import load
 
     model = load(model_url)
-    metrics = evaluate_model(model, held_out_stores, cfg)
+    figures: dict[str, dict] = {"reconstruction": {}, "faults": {}}
+    metrics = evaluate_model(model, held_out_stores, cfg, example=figures["reconstruction"])
     print(f"sfm evaluate: {summarize(metrics)}")
-    if cfg.eval.probe_train_volumes > 0 and cfg.eval.probe_test_volumes > 0:
-        from sfm import probe
+    if cfg.eval.downstream:
+        from sfm import downstream
 
-        metrics.update(probe.fault_probe(model, train_volumes=cfg.eval.probe_train_volumes,
-                                         test_volumes=cfg.eval.probe_test_volumes))
-        print(f"sfm evaluate: {probe.summarize(metrics)}")
-    return metrics
+        metrics.update(downstream.evaluate_downstream(model, downstream.recipe_of(cfg.eval), example=figures["faults"]))
+        print(f"sfm evaluate: {downstream.summarize(metrics)}")
+    return metrics, figures
 
 
 def code_version() -> str:
@@ -178,12 +190,13 @@ def code_version() -> str:
 
 
 def register(data_root: str, cfg: JobConfig, *, model_url: str, metrics: dict, run_pathspec: str,
-             surveys: list[str], held_out: list[str]) -> dict[str, Any]:
-    """Register the trained model with its lineage (run, manifest version, code, surveys, parent weights)."""
+             surveys: list[str], held_out: list[str], snapshots: dict[str, str] | None = None) -> dict[str, Any]:
+    """Register the trained model with its lineage (run, manifest version, code, surveys, parent weights,
+    and the models exported part-way through training: {step: URL})."""
     lineage = {
         "run_pathspec": run_pathspec, "manifest_version": manifest.version(data_root),
         "code_version": code_version(), "surveys": surveys, "held_out_surveys": held_out,
-        "init_from": cfg.train.init_from,
+        "init_from": cfg.train.init_from, "snapshots": snapshots or {},
     }
     record = registry.register(data_root, cfg.registry.model_name, model_url, config=cfg.to_dict(),
                                metrics=metrics, lineage=lineage, margin=cfg.registry.margin)

@@ -6,6 +6,7 @@ writes under its ``run_root``::
     job_config.json        the resolved JobConfig (written first)
     ckpt/step-NNNNNN/      checkpoints (see sfm.checkpoint); a restarted job continues from the newest
     final/                 the exported model (model.safetensors + config.json)
+    snapshots/step-NNNNNN/ the model exported part-way, at ``train.snapshots`` fractions of the steps
     summary.json           loss history and throughput (written last)
     tensorboard/           Accelerate's TensorBoard logs
 
@@ -44,11 +45,19 @@ log = logging.getLogger("sfm.train")
 
 
 def model_config_for(cfg: JobConfig):
-    """The MAEConfig a job trains: the preset, at the job's crop, mask ratio and patch."""
-    overrides: dict[str, Any] = {"crop": tuple(cfg.data.crop), "mask_ratio": cfg.model.mask_ratio}
-    if cfg.model.patch:
-        overrides["patch"] = tuple(cfg.model.patch)
-    return mae_config(cfg.model.preset, **overrides)
+    """The MAEConfig a job trains: the preset, at the job's crop, masking, patch and decoder size."""
+    m = cfg.model
+    overrides: dict[str, Any] = {"crop": tuple(cfg.data.crop), "mask_ratio": m.mask_ratio, "mask_tube": m.mask_tube}
+    if m.patch:
+        overrides["patch"] = tuple(m.patch)
+    if m.decoder_depth:
+        overrides["decoder_depth"] = m.decoder_depth
+    if m.decoder_embed_dim:
+        overrides["decoder_embed_dim"] = m.decoder_embed_dim
+    try:
+        return mae_config(m.preset, **overrides)
+    except ValueError as err:  # a preset or model setting no model can have: the user's to fix
+        raise SFMError(f"[model]/[data] settings do not make a model: {err}") from None
 
 
 def schedule(cfg: JobConfig) -> Callable[[int], float]:
@@ -282,6 +291,7 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
                           "strategy": strategy, "world_size": world, "cp": layout.cp},
                          cfg.train.keep_checkpoints, sharded)
 
+    snapshot_steps = {max(1, round(f * cfg.train.max_steps)) for f in cfg.train.snapshots if 0 < f < 1}
     from tqdm import tqdm
 
     bar = tqdm(total=cfg.train.max_steps, initial=start_step, disable=not main, desc="pretrain", mininterval=2,
@@ -347,6 +357,12 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
                                skipped_nonfinite=guard.skipped, rollbacks=guard.rollbacks)
                 t_window, steps_in_window, paused = time.perf_counter(), 0, 0.0
             bar.update(1)
+            if step in snapshot_steps and not last:  # the model part-way, for "does more pretraining help?"
+                t_snap = time.perf_counter()
+                snapshot = _full_model(model, step_model, mcfg, sharded, main)  # a collective when sharded
+                if main:
+                    save_model(snapshot, _snapshot_url(run_root, step), {"job": cfg.to_dict()})
+                paused += time.perf_counter() - t_snap
             if save_now:
                 t_save = time.perf_counter()
                 save(step)
@@ -359,12 +375,7 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
     summary = None
     steps_run = cfg.train.max_steps - start_step
     final_url = storage.join(run_root, "final")
-    export = model
-    if sharded:  # a collective: rank 0 gathers the full weights into a plain model
-        full = parallelize.full_state_dict(step_model)
-        if main:
-            export = build_model(mcfg)
-            export.load_state_dict(full)
+    export = _full_model(model, step_model, mcfg, sharded, main)
     digests = _replica_digests(model) if world > 1 and not sharded else None  # a collective
     if main:
         save_model(export, final_url, {"job": cfg.to_dict()})
@@ -380,6 +391,7 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
             "voxels_per_s": tail[-1]["voxels_per_s"] if tail else None,
             "mfu": tail[-1]["mfu"] if tail else None, "mfu_peak_flops": peak, "model_url": final_url,
             "seconds": elapsed, "flops_per_sample": flops_per_sample,
+            "snapshots": {str(s): _snapshot_url(run_root, s) for s in sorted(snapshot_steps) if s < cfg.train.max_steps},
             "health": {"skipped_nonfinite": guard.skipped, "rollbacks": guard.rollbacks},
             "rank_weight_digests": digests,  # replicated strategies: one per rank, all equal
             "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
@@ -394,6 +406,23 @@ def _train(job, cfg: JobConfig, accelerator, layout: Layout, precision: str, tb_
     if main:
         storage.upload(tb_dir, storage.join(run_root, "tensorboard"))
     return summary
+
+
+def _snapshot_url(run_root: str, step: int) -> str:
+    return storage.join(run_root, "snapshots", f"step-{step:06d}")
+
+
+def _full_model(model, step_model, mcfg, sharded: bool, main: bool):
+    """The plain model with the full weights, on the main process (a collective when ``sharded``:
+    rank 0 gathers the shards into a fresh model); other ranks get ``model`` back unchanged."""
+    if not sharded:
+        return model
+    full = parallelize.full_state_dict(step_model)
+    if not main:
+        return model
+    export = build_model(mcfg)
+    export.load_state_dict(full)
+    return export
 
 
 def _replica_digests(model: torch.nn.Module) -> list[str]:

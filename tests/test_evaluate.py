@@ -1,16 +1,14 @@
-"""Evaluation metrics, baselines and the fault probe on constructed cases with known answers."""
+"""Reconstruction metrics and baselines on constructed cases with known answers."""
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
 from sfm.evaluate import MaskedError, interpolate_masked, metrics_table, predictions, visible_voxels
 from sfm.model import build_model, mae_config
-from sfm.probe import _f1_iou, best_threshold, patch_labels, tile, train_head
 
 
 def tiny_model(**overrides):
@@ -77,21 +75,16 @@ def test_interpolation_with_nothing_visible_is_the_survey_mean():
     assert torch.equal(interpolate_masked(volume, torch.zeros_like(volume, dtype=torch.bool)), torch.zeros_like(volume))
 
 
-# ---- predictors in both spaces --------------------------------------------------------------------
+# ---- predictors in target space -----------------------------------------------------------------
 
 
 def _score(model, imgs, pred, mask, means):
-    target_preds, voxel_preds = predictions(model, imgs, pred, mask, means)
-    target, voxels = model.patch_targets(imgs), model.patchify(imgs).float()
+    target = model.patch_targets(imgs)
     out = {}
-    for name, p in target_preds.items():
+    for name, p in predictions(model, imgs, pred, mask, means).items():
         acc = MaskedError()
         acc.add(p, target, mask)
         out[f"target_{name}"] = acc.result()["nmse"]
-    for name, p in voxel_preds.items():
-        acc = MaskedError()
-        acc.add(p, voxels, mask)
-        out[f"voxel_{name}"] = acc.result()["nmse"]
     return out
 
 
@@ -115,9 +108,6 @@ def test_zero_and_mean_baselines_have_their_closed_form_nmse():
     expected = (energy + p * (mu / sd) ** 2)[m].sum() / energy[m].sum()
     assert scores["target_mean"] == pytest.approx(float(expected), rel=1e-4)
     assert scores["target_mean"] > scores["target_zero"]
-    # in voxel space the survey mean is the zero prediction: NMSE = sum x^2 / sum (x - mean x)^2
-    x = patches[m]
-    assert scores["voxel_mean"] == pytest.approx(float((x**2).sum() / ((x - x.mean()) ** 2).sum()), rel=1e-4)
 
 
 def test_a_perfect_prediction_and_an_exact_interpolation_score_zero():
@@ -128,56 +118,15 @@ def test_a_perfect_prediction_and_an_exact_interpolation_score_zero():
     target = model.patch_targets(imgs)
     scores = _score(model, imgs, target, mask, torch.zeros(1))
     assert scores["target_model"] == 0.0
-    assert scores["target_interp"] < 1e-6 and scores["voxel_interp"] < 1e-8
-    # voxel space: the model's normalised shape, the interpolated level, the visible voxels' scale
+    assert scores["target_interp"] < 1e-6
     visible = visible_voxels(model, imgs, mask)
     assert int((~visible).sum()) == 8 * 64
 
 
 def test_metrics_table_rows():
-    metrics = {"masked_nmse": 0.5, "masked_psnr": 20.0, "voxel_model_nmse": 0.9, "voxel_model_psnr": 10.0,
-               "baseline_zero_nmse": 1.0, "baseline_zero_psnr": 18.0, "baseline_mean_nmse": 1.2,
-               "baseline_mean_psnr": 17.0, "voxel_mean_nmse": 1.0, "voxel_mean_psnr": 9.0,
-               "baseline_interp_nmse": 1.5, "baseline_interp_psnr": 16.0, "voxel_interp_nmse": 0.7,
-               "voxel_interp_psnr": 12.0}
+    metrics = {"masked_nmse": 0.5, "masked_psnr": 20.0, "baseline_zero_nmse": 1.0, "baseline_zero_psnr": 18.0,
+               "baseline_mean_nmse": 1.2, "baseline_mean_psnr": 17.0, "baseline_interp_nmse": 1.5,
+               "baseline_interp_psnr": 16.0}
     rows = metrics_table(metrics)
-    assert rows[0] == ["model", "0.5000", "20.00", "0.9000", "10.00"]
-    assert rows[1][3:] == ["-", "-"] and rows[3][1] == "1.5000"
-
-
-# ---- the probe's parts ---------------------------------------------------------------------------
-
-
-def test_tile_and_patch_labels():
-    volume = np.arange(8 * 8 * 16, dtype=np.float32).reshape(8, 8, 16)
-    crops = tile(volume, (4, 4, 8))
-    assert crops.shape == (2 * 2 * 2, 1, 4, 4, 8)
-    assert np.array_equal(crops[0, 0], volume[:4, :4, :8]) and np.array_equal(crops[-1, 0], volume[4:, 4:, 8:])
-
-    model = tiny_model()
-    faults = torch.zeros(1, 1, 16, 16, 16)
-    faults[0, 0, 0, 0, 0] = 1  # 1 voxel of 64 in patch 0: 1.6 %
-    faults[0, 0, 4:8, 0:4, 0] = 1  # 16 voxels of 64 in patch (1, 0, 0): 25 %
-    labels = patch_labels(model, faults, 0.02)
-    assert labels.shape == (1, 64)
-    assert labels[0].nonzero().flatten().tolist() == [16]
-
-
-def test_f1_iou_and_threshold_known_values():
-    pred = torch.tensor([True, True, False, False, True])
-    label = torch.tensor([True, False, True, False, True])
-    f1, iou = _f1_iou(pred, label)
-    assert f1 == pytest.approx(2 * 2 / (2 * 2 + 1 + 1)) and iou == pytest.approx(2 / 4)
-    scores = torch.tensor([0.9, 0.8, 0.3, 0.7, 0.1])
-    assert best_threshold(scores, torch.tensor([True, True, False, True, False])) == pytest.approx(0.7)
-
-
-def test_probe_head_separates_separable_features():
-    torch.manual_seed(0)
-    y = torch.rand(600) < 0.2
-    x = torch.randn(600, 8)
-    x[:, 3] += 6 * y.float()  # one informative feature, 6 sigma apart
-    scorer = train_head(x[:400], y[:400])
-    threshold = best_threshold(scorer(x[:400]), y[:400])
-    f1, _ = _f1_iou(scorer(x[400:]) >= threshold, y[400:])
-    assert f1 > 0.95
+    assert rows[0] == ["model", "0.5000", "20.00"]
+    assert rows[1] == ["zero (true patch mean)", "1.0000", "18.00"] and rows[3][1] == "1.5000"

@@ -1,11 +1,12 @@
-"""The default `python flows/pretrain_flow.py run`: its evaluation card (loss curve, slices, metrics) and the
-fault probe of the encoder it trained against a random one. One flow run serves every test here."""
+"""The default `python flows/pretrain_flow.py run`: its evaluation card (loss curve, slices, label efficiency,
+tables) and the downstream evaluation it reports. One flow run serves every test here."""
 
 from __future__ import annotations
 
 import base64
 import io
 import json
+import math
 import os
 import re
 import subprocess
@@ -88,7 +89,7 @@ def test_default_run_card_shows_loss_curve_slices_and_metrics(default_run):
     assert count == 1
     images = {c["label"]: Image.open(io.BytesIO(base64.b64decode(c["src"].split(",", 1)[1])))
               for c in components if c["type"] == "image"}
-    rows, slices = ("input", "masked input", "reconstruction"), ("inline", "crossline", "time")
+    rows, slices = ("input", "masked input", "target", "reconstruction"), ("inline", "crossline", "time")
     expected = {f"{row}: {name} slice" for row in rows for name in slices}
     assert expected <= set(images), sorted(images)
     loss = next(im for label, im in images.items() if label.startswith("training loss"))
@@ -98,14 +99,23 @@ def test_default_run_card_shows_loss_curve_slices_and_metrics(default_run):
     assert images["input: inline slice"].size == (h * scale, w * scale)  # crossline across, time down
     assert images["input: crossline slice"].size == (d * scale, w * scale)
     assert images["input: time slice"].size == (h * scale, d * scale)
-    pixels = {label: im.convert("RGB").tobytes() for label, im in images.items()}
-    assert len(set(pixels.values())) == len(pixels)  # masked input and reconstruction differ from the input
+    pixels = {label: images[label].convert("RGB").tobytes() for label in expected}
+    assert len(set(pixels.values())) == len(pixels)  # masked input, target and reconstruction differ from the input
     masked = np.asarray(images["masked input: time slice"].convert("RGB"))
     assert (masked == 140).all(axis=-1).mean() > 0.3  # hidden patches are grey (0.55 of white)
 
+    # the downstream evaluation: label-efficiency plot, a test volume's faults, the table per budget
+    m = default_run["view"]["metrics"]
+    plot = images["label efficiency: AP against labelled volumes"]
+    assert plot.size == (640, 360)
+    assert {"amplitude", "true faults", "pretrained: fault probability", "random: fault probability"} <= set(images)
+    truth = np.asarray(images["true faults"].convert("RGB"))
+    red = (truth[..., 0] == 255) & (truth[..., 1] < 40) & (truth[..., 2] < 40)
+    assert red.mean() > 0.005  # the labelled planes are drawn in red
     text = json.dumps([c for c in components if c["type"] != "image"])
-    for needle in ("Training loss", "trilinear interpolation", "per-survey mean", "target NMSE", "voxel NMSE",
-                   "Fault probe", "random encoder", f"{default_run['view']['metrics']['masked_nmse']:.4f}"):
+    for needle in ("Training loss", "trilinear interpolation", "per-survey mean", "NMSE", "labelled volumes",
+                   "AP pretrained", "kNN AP pre / rnd", f"{m['masked_nmse']:.4f}", f"{m['ft_ap_b1']:.4f}",
+                   f"{m['ft_ap_random_b4']:.4f}"):
         assert needle in text, needle
 
 
@@ -114,32 +124,31 @@ def test_default_run_metrics_against_every_baseline(default_run):
     m = default_run["view"]["metrics"]
     assert m["baseline_zero_nmse"] == pytest.approx(1.0, abs=1e-3)  # normalised patches: zero scores 1 exactly
     assert m["masked_nmse"] < m["baseline_zero_nmse"] < m["baseline_mean_nmse"]
-    assert m["voxel_mean_nmse"] == pytest.approx(1.0, abs=0.05)  # the standardised survey mean is ~0
-    for key in ("masked_psnr", "baseline_interp_nmse", "voxel_model_nmse", "voxel_interp_nmse", "voxel_model_psnr"):
-        assert m[key] == m[key] and m[key] > 0, key  # present, finite, positive
+    for key in ("masked_psnr", "baseline_interp_nmse"):
+        assert math.isfinite(m[key]) and m[key] > 0, key
+    assert not any(key.startswith("voxel_") for key in m)  # no voxel-space figure the model does not make
 
 
 @pytest.mark.timeout(1800)
-def test_fault_probe_pretrained_against_random_after_the_default_training(default_run):
-    """After the default demo's training the pretrained encoder does NOT beat the random one on the
-    fault probe: it scores about 0.17 F1 lower (measured 0.494 vs 0.665 with the default 8/4 probe
-    volumes). The gap narrows with training: 0.574 after 650 steps and 0.593 after 1,000 steps of the
-    same demo (-0.09, -0.07; `--max-steps 1000`, 46 min on a busy 2-core machine).
-
-    Why: the demo trains a tiny model for 200 CPU steps over ~1,600 crops of 32^3 (its held-out masked
-    NMSE is ~0.87 against 1.0 for predicting zero); MAE pretraining is run for hundreds of epochs.
-    A random ViT is close to a random projection of each patch, which keeps nearly all of its voxels'
-    information, while a briefly trained encoder has begun to keep what reconstruction needs and to
-    drop the rest. The numbers are printed on every run; should pretraining start to win here, the
-    last assertion fails and this statement must become `gap > 0`.
-    """
+def test_default_run_reports_the_downstream_evaluation(default_run):
+    """The demo reports the same evaluation as the quality configuration, at its small budgets,
+    whatever its figures are: every budget and seed fine-tuned from both initialisations, scores
+    in range, the frozen probes beside them. (Whether pretraining wins is benchmarks/quality.py's
+    question, on a model trained long enough to answer it.)"""
     m = default_run["view"]["metrics"]
-    gap = m["probe_f1"] - m["probe_random_f1"]
-    print(f"probe F1 pretrained {m['probe_f1']:.3f} random {m['probe_random_f1']:.3f} gap {gap:+.3f}; "
-          f"IoU {m['probe_iou']:.3f} vs {m['probe_random_iou']:.3f}; all-positive F1 {m['probe_all_positive_f1']:.3f}")
-    # the probe measures something: both encoders' features find faults far better than guessing
-    assert m["probe_random_f1"] > m["probe_all_positive_f1"] + 0.15
-    assert m["probe_f1"] > m["probe_all_positive_f1"] + 0.05
-    assert m["probe_patches_test"] == 4 * 16 * 64 and 0.05 < m["probe_fault_prevalence"] < 0.5
-    # the stated shortfall: behind the random encoder, by less than 0.3 F1
-    assert -0.3 < gap < 0.0, gap
+    d = m["downstream"]
+    assert d["recipe"]["budgets"] == [1, 4] and d["recipe"]["seeds"] == 3 and d["test_volumes"] == 4
+    prevalence = d["test_fault_fraction"]
+    assert 0.01 < prevalence < 0.3
+    for b in (1, 4):
+        runs = d["budgets"][str(b)]
+        assert len(runs["ft_pretrained"]) == len(runs["ft_random"]) == len(runs["linear_pretrained"]) == 3
+        assert len(runs["knn_pretrained"]) == len(runs["knn_random"]) == 1
+        for score in runs["ft_pretrained"] + runs["ft_random"] + runs["linear_random"] + runs["knn_random"]:
+            assert 0 <= score["ap"] <= 1 and 0 <= score["iou"] <= score["f1"] <= 1
+        # the random baseline learns something: better than ranking voxels at random (AP = prevalence)
+        assert m[f"ft_ap_random_b{b}"] > prevalence
+        gains = [p["ap"] - r["ap"] for p, r in zip(runs["ft_pretrained"], runs["ft_random"])]
+        assert m[f"ft_ap_gain_b{b}"] == pytest.approx(sum(gains) / 3)
+        assert m[f"ft_all_seeds_gain_b{b}"] == all(g > 0 for g in gains)
+    print(f"demo downstream: {({k: round(v, 4) for k, v in m.items() if k.startswith('ft_ap')})}")

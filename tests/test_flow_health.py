@@ -35,7 +35,7 @@ heartbeat_every_s = 0
 [eval]
 crops = 4
 batch_size = 4
-probe_train_volumes = 0
+downstream = false
 """
 
 

@@ -42,7 +42,7 @@ timeout_s = {TIMEOUT_S}
 [eval]
 crops = 4
 batch_size = 4
-probe_train_volumes = 0
+downstream = false
 """
 
 

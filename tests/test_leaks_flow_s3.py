@@ -149,7 +149,7 @@ def s3_run(s3_server, tmp_path_factory):
     toml, n = re.subn(r"(?m)^checkpoint_every\s*=.*$", "checkpoint_every = 10",
                       (PROJECT / "sfm" / "default.toml").read_text())
     assert n == 1
-    for key, value in (("crops", 4), ("probe_train_volumes", 0), ("probe_test_volumes", 0)):
+    for key, value in (("crops", 4), ("downstream", "false")):
         toml = re.sub(rf"(?m)^{key}\s*=.*$", f"{key} = {value}", toml)
     config = tmp / "job.toml"
     config.write_text(toml)

@@ -37,7 +37,7 @@ threads_per_process = 1
 [eval]
 crops = 4
 batch_size = 4
-probe_train_volumes = 0
+downstream = false
 """
 
 

@@ -21,9 +21,9 @@ from sfm.errors import SFMError
 from sfm.watch import Lease, schedule_cron, trigger_event
 
 MODEL = "sfm-mae"
-# keeps the watcher's flow run short: a few steps, a small evaluation and probe
+# keeps the watcher's flow run short: a few steps, a small evaluation, no downstream fine-tuning
 FAST = ["train.max_steps=6", "train.warmup_steps=2", "train.checkpoint_every=6", "eval.crops=8",
-        "eval.probe_train_volumes=2", "eval.probe_test_volumes=1"]
+        "eval.downstream=false"]
 
 _CLIENT = r"""
 import json, sys

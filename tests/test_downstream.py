@@ -1,0 +1,132 @@
+"""The downstream evaluation (sfm.downstream): its scores on cases with known answers, and that it
+tells an encoder that holds fault features from a random one, the same way every time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sfm import downstream
+from sfm.config import EvalConfig
+from sfm.model import mae_config
+from sfm.model.mae import MaskedAutoencoder3D
+
+# ---- scores ---------------------------------------------------------------------------------------
+
+
+def brute_force_ap(scores: np.ndarray, labels: np.ndarray) -> float:
+    """AP straight from its definition: for every distinct threshold (high to low), the recall gained
+    times the precision there."""
+    ap, last_recall = 0.0, 0.0
+    for t in sorted(set(scores.tolist()), reverse=True):
+        pred = scores >= t
+        tp = np.sum(pred & labels)
+        recall, precision = tp / labels.sum(), tp / pred.sum()
+        ap += (recall - last_recall) * precision
+        last_recall = recall
+    return float(ap)
+
+
+def test_average_precision_follows_its_definition_with_ties():
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        labels = rng.random(300) < 0.2
+        scores = np.round(rng.random(300) + 0.5 * labels, 1)  # coarse: many ties
+        assert downstream.average_precision(scores, labels) == pytest.approx(brute_force_ap(scores, labels), abs=1e-12)
+    labels = np.array([1, 0, 1, 0, 0], bool)
+    assert downstream.average_precision(np.array([5, 4, 3, 2, 1.0]), labels) == pytest.approx((1 + 2 / 3) / 2)
+    assert downstream.average_precision(labels * 1.0, labels) == 1.0  # perfect ranking
+    assert downstream.average_precision(np.zeros(5), labels) == pytest.approx(0.4)  # no ranking: the prevalence
+
+
+def test_best_threshold_maximises_f1():
+    rng = np.random.default_rng(1)
+    labels = rng.random(400) < 0.3
+    scores = rng.random(400) + 0.4 * labels
+    t = downstream.best_threshold(scores, labels)
+    best = max(downstream.f1_iou(scores >= c, labels)[0] for c in scores)
+    assert downstream.f1_iou(scores >= t, labels)[0] == pytest.approx(best)
+    f1, iou = downstream.f1_iou(np.array([1, 1, 0, 0], bool), np.array([1, 0, 1, 0], bool))
+    assert (f1, iou) == (pytest.approx(0.5), pytest.approx(1 / 3))
+
+
+def test_tiles_cover_every_voxel_and_predictions_average_overlaps():
+    assert downstream.tile_origins(64, 32) == [0, 32]
+    assert downstream.tile_origins(70, 32) == [0, 32, 38]
+    with pytest.raises(ValueError, match="smaller than the model's crop"):
+        downstream.tile_origins(16, 32)
+    # a head that reads each voxel's own amplitude: predictions must reproduce sigmoid(amplitude) exactly
+    torch.manual_seed(0)
+    net = downstream.FaultSegmenter(MaskedAutoencoder3D(mae_config("tiny")))
+    net.forward = lambda imgs: imgs[:, 0]
+    volume = np.random.default_rng(2).standard_normal((40, 36, 70)).astype(np.float32)
+    probs = downstream.predict(net, volume)
+    np.testing.assert_allclose(probs, 1 / (1 + np.exp(-volume)), rtol=1e-5)
+
+
+def test_labelled_volumes_are_normalised_and_seeded():
+    a = downstream.labelled_volumes(2, (32, 32, 48), 123)
+    b = downstream.labelled_volumes(2, (32, 32, 48), 123)
+    assert all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) for x, y in zip(a, b))
+    assert not np.array_equal(a[0][0], a[1][0])
+    for amplitude, faults in a:
+        assert abs(float(amplitude.mean())) < 1e-4 and float(amplitude.std()) == pytest.approx(1.0, abs=1e-4)
+        assert 0 < faults.mean() < 0.5
+    assert downstream.TEST_SEED - downstream.LABELLED_SEED >= 1_000_000  # pool and test seeds never meet
+
+
+# ---- the evaluation on the tiny preset ---------------------------------------------------------------
+
+# the tiny preset with thin patches (4 x 4 traces x 8 samples), so a token can outline a fault
+TINY = dict(crop=(32, 32, 32), patch=(4, 4, 8))
+RECIPE = downstream.recipe_of(EvalConfig(budgets=(1,), seeds=2, test_volumes=2, volume=(32, 32, 64),
+                                         finetune_steps=40, finetune_batch=4, knn=8))
+
+
+@pytest.fixture(scope="module")
+def volumes():
+    pool = downstream.labelled_volumes(2, RECIPE.volume, downstream.LABELLED_SEED)
+    test = downstream.labelled_volumes(2, RECIPE.volume, downstream.TEST_SEED)
+    return pool, test
+
+
+@pytest.fixture(scope="module")
+def fault_trained_encoder():
+    """An encoder pretrained by construction: the tiny preset fine-tuned on 6 labelled volumes of seeds
+    outside the evaluation's pool and test sets, so its tokens carry fault features."""
+    torch.manual_seed(0)
+    mae = MaskedAutoencoder3D(mae_config("tiny", **TINY))
+    train = downstream.labelled_volumes(6, (32, 32, 64), 3_000_000)
+    recipe = downstream.recipe_of(EvalConfig(finetune_steps=300, finetune_batch=4, finetune_lr=2e-3, layer_decay=1.0))
+    downstream.fine_tune(mae, train, recipe, seed=5)
+    return mae
+
+
+def test_encoder_with_fault_features_beats_random_init_on_every_seed(fault_trained_encoder, volumes):
+    result = downstream.evaluate_downstream(fault_trained_encoder, RECIPE, pool=volumes[0], test=volumes[1])
+    print({k: v for k, v in result.items() if k != "downstream"})
+    assert result["ft_all_seeds_gain_b1"] and result["ft_min_gain_b1"] > 0.005
+    assert result["linear_all_seeds_gain_b1"] and result["linear_min_gain_b1"] > 0.01
+    assert result["knn_ap_gain_b1"] > 0.01
+    assert 0 < result["ft_f1_b1"] <= 1 and 0 < result["ft_iou_b1"] <= result["ft_f1_b1"]
+
+
+def test_a_random_encoder_does_not_beat_random_init(volumes):
+    torch.manual_seed(99)  # another random initialisation than the baseline's
+    random_encoder = MaskedAutoencoder3D(mae_config("tiny", **TINY))
+    result = downstream.evaluate_downstream(random_encoder, RECIPE, pool=volumes[0], test=volumes[1])
+    print({k: v for k, v in result.items() if k != "downstream"})
+    assert result["ft_ap_gain_b1"] < 0.005
+    assert abs(result["linear_ap_gain_b1"]) < 0.005 and abs(result["knn_ap_gain_b1"]) < 0.01
+
+
+def test_same_seeds_give_the_same_scores(fault_trained_encoder, volumes):
+    recipe = downstream.recipe_of(EvalConfig(budgets=(1,), seeds=1, test_volumes=1, volume=(32, 32, 64),
+                                             finetune_steps=10, knn=4))
+    state = {k: v.clone() for k, v in fault_trained_encoder.state_dict().items()}
+    first = downstream.evaluate_downstream(fault_trained_encoder, recipe, pool=volumes[0], test=volumes[1][:1])
+    second = downstream.evaluate_downstream(fault_trained_encoder, recipe, pool=volumes[0], test=volumes[1][:1])
+    assert first["downstream"]["budgets"] == second["downstream"]["budgets"]
+    # the evaluation fine-tunes copies: the encoder it was given is untouched
+    assert all(torch.equal(v, fault_trained_encoder.state_dict()[k]) for k, v in state.items())
