@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sfm.context_parallel import (  # noqa: E402
+from sfm.distributed.context_parallel import (  # noqa: E402
     all_reduce_grads,
     apply_context_parallel,
     cp_forward_loss,
@@ -47,7 +47,7 @@ from sfm.context_parallel import (  # noqa: E402
     crop_slab,
     mask_ratio_for_kept,
 )
-from sfm.launch import free_port  # noqa: E402
+from sfm.distributed.launch import free_port  # noqa: E402
 from sfm.model import MAEConfig, build_model, mae_config, param_count, train_flops_per_sample  # noqa: E402
 
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the measuring processes' malloc

@@ -11,13 +11,13 @@ Three parts, side by side in one run:
    encoders (base 12x64, large 16x64, huge 16x80) and of the decoder (16x32). Model TFLOP/s count
    4 L^2 h d per forward and 3x that per training step (the usual MFU convention; flash's
    recomputation is not counted). Memory: peak allocated bytes above the inputs, per token.
-2. block check: attention split into key/value blocks with ``sfm.ring_attention``'s block kernels
+2. block check: attention split into key/value blocks with ``sfm.distributed.ring_attention``'s block kernels
    (flash/efficient with log-sum-exp), merged and differentiated as the ring does, against SDPA
    on the whole sequence: the CUDA path that the CPU tests cannot reach.
 3. ring emulation: one ring rank's work at cp = 8 (8 blocks of L/8 queries x L/8 keys, merged)
    against 1/8 of the full-sequence kernel time: what blocking costs, communication left out.
 
-Imports torch and ``sfm.ring_attention`` (torch only). Last line: one JSON object.
+Imports torch and ``sfm.distributed.ring_attention`` (torch only). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sfm.ring_attention import block_backward, block_forward, merge_blocks  # noqa: E402
+from sfm.distributed.ring_attention import block_backward, block_forward, merge_blocks  # noqa: E402
 
 DEADLINE_S = 420  # stop starting new measurements after 7 minutes
 

@@ -4,11 +4,11 @@
     python benchmarks/gpu_train.py --smoke         # CPU, tiny shapes: checks the script runs at all
 
 Needs only torch and the model / training-step modules of ``sfm`` (``sfm.model``,
-``sfm.train_step``, ``sfm.hardware``): no metaflow, zarr, segyio, boto3 or fsspec, so it runs
+``sfm.train.step``, ``sfm.model.hardware``): no metaflow, zarr, segyio, boto3 or fsspec, so it runs
 wherever torch is installed (``pip install torch safetensors`` plus this checkout on PYTHONPATH).
 
 For presets base and large at 128^3 and 256^3 crops, it times full training steps exactly as
-``sfm.train`` runs them (``sfm.train_step.TrainStep``: bf16 autocast, forward, backward, gradient
+``sfm.train.trainer`` runs them (``sfm.train.step.TrainStep``: bf16 autocast, forward, backward, gradient
 clipping, fused AdamW) on random volumes, first eager, then with each transformer block compiled
 (``torch.compile``) while the time budget allows. MFU = analytic FLOPs per step
 (``sfm.model.flops``) / step time / the dense bf16 matmul rate this script measures on the same GPU
@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from sfm.hardware import datasheet_peak_flops, matmul_flops  # noqa: E402
+from sfm.model.hardware import datasheet_peak_flops, matmul_flops  # noqa: E402
 from sfm.model import build_model, mae_config, param_count, train_flops_per_sample  # noqa: E402
-from sfm.train_step import TrainStep, apply_training_options, build_optimizer, throughput  # noqa: E402
+from sfm.train.step import TrainStep, apply_training_options, build_optimizer, throughput  # noqa: E402
 
 GOAL = 0.45
 # preset:crop:batch; batches sized for ~0.1-0.3 s steps and well under 141 GB (halved on OOM)

@@ -7,8 +7,8 @@ Figures (the last line printed is one JSON object with all of them):
 - floor: the larger of (a1) the time to read every trace of the file with segyio alone and (a2) the
   time to encode the same samples, as the store's 128^3 float32 bricks, with the store's codec on
   all cores, called as ingest calls it (``numcodecs.Blosc.encode`` with glibc keeping freed memory,
-  ``sfm.store_writer.keep_freed_memory``, as in ingest's process);
-- ingest: ``sfm.ingest.ingest_survey`` of the same file into a fresh data root (a child process;
+  ``sfm.ingest.zarr_writer.keep_freed_memory``, as in ingest's process);
+- ingest: ``sfm.ingest.survey.ingest_survey`` of the same file into a fresh data root (a child process;
   the time ingest_survey reports, from opening the file to the published manifest row);
   goal floor / ingest >= 0.8;
 - peer: what a user would write instead, a plain single-process segyio-to-zarr copy with default
@@ -45,7 +45,8 @@ import numpy as np
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
-from sfm.synth import synthesize_volume, write_segy  # noqa: E402
+from sfm.ingest.geology import synthesize_volume  # noqa: E402
+from sfm.ingest.synth import write_segy  # noqa: E402
 
 TILE = (32, 512, 1024)  # inlines x crosslines x samples of one generated tile (64 MiB of float32)
 BRICK = 128
@@ -54,7 +55,7 @@ BRICK = 128
 def generate_segy(path: Path, gigabytes: float, seed: int = 0) -> dict:
     """A post-stack SEG-Y (IEEE float, big-endian, inline-sorted) of about ``gigabytes`` GB.
 
-    One synthetic tile (sfm.synth geology, faults, wavelet) is written with sfm.synth.write_segy,
+    One synthetic tile (sfm.ingest.synth geology, faults, wavelet) is written with sfm.ingest.synth.write_segy,
     then repeated along the inline axis with fresh noise and a sample shift per copy, so every
     trace differs and the codec sees realistic data. Memory stays at a few tiles.
     """
@@ -109,15 +110,15 @@ def segyio_read(path: str) -> tuple[float, float]:
 def encode_all_cores(path: str, shape: list[int], codec: str) -> tuple[float, float, float]:
     """(a2) the file's samples as 128^3 float32 bricks, encoded with the store's codec on all cores.
 
-    The codec is the store's (``sfm.ingest.codec_spec(codec)``: Blosc, its compressor, level, shuffle and
+    The codec is the store's (``sfm.ingest.survey.codec_spec(codec)``: Blosc, its compressor, level, shuffle and
     block size), called as ingest calls it, in a process whose allocator is set as ingest sets it (without
     ``keep_freed_memory`` every 8 MB output is fresh memory: about 0.8 s more CPU per GB with zstd).
     The bricks are prepared first (not timed); returns (wall s, CPU s, compressed / raw).
     """
     import numcodecs
 
-    from sfm.ingest import codec_spec
-    from sfm.store_writer import keep_freed_memory
+    from sfm.ingest.options import codec_spec
+    from sfm.ingest.zarr_writer import keep_freed_memory
 
     ni, nx, ns = shape
     record = np.dtype([("header", np.uint8, (240,)), ("data", ">f4", (ns,))])
@@ -155,7 +156,7 @@ def peak_rss_mb():
 # timings compare the work, not Python's import time (seconds on a loaded machine).
 INGEST_CHILD = CHILD + """
 import google_crc32c, jsonschema, numcodecs, pandas, pyarrow.parquet, zarr, zarr.codecs
-from sfm.ingest import ingest_survey
+from sfm.ingest.survey import ingest_survey
 c0 = cpu_seconds()
 row = ingest_survey(sys.argv[1], sys.argv[2], codec=sys.argv[3])
 print(json.dumps({"seconds": row["seconds"], "cpu_s": cpu_seconds() - c0, "status": row["status"],
@@ -203,7 +204,7 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where to put the generated files (default: a temp dir)")
     parser.add_argument("--codec", default=None, help="the store's codec, cname[:level] (default: ingest's default)")
     args = parser.parse_args()
-    from sfm.ingest import DEFAULT_CODEC
+    from sfm.ingest.options import DEFAULT_CODEC
 
     codec = args.codec or DEFAULT_CODEC
     load_before = os.getloadavg()

@@ -4,8 +4,8 @@
 
 Efficiency = throughput of 2 ranks x 1 thread / (2 x throughput of 1 rank x 1 thread), with the
 same per-rank batch, for ``ddp`` and ``fsdp2-zero2``. Every configuration runs full training steps
-exactly as ``sfm.train`` runs them (``sfm.train_step.TrainStep`` on the model wrapped by
-``sfm.parallelize.apply_strategy``, gloo on loopback, global-norm clipping, fused AdamW), on random
+exactly as ``sfm.train.trainer`` runs them (``sfm.train.step.TrainStep`` on the model wrapped by
+``sfm.distributed.strategies.apply_strategy``, gloo on loopback, global-norm clipping, fused AdamW), on random
 volumes already in memory: the data loader is measured by benchmarks/stream.py, this measures what
 the strategy adds (gradient all-reduce or reduce-scatter plus parameter all-gather). Each rank is
 its own process with one compute thread (OMP_NUM_THREADS=1, OMP_WAIT_POLICY=PASSIVE as in training).
@@ -32,9 +32,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from sfm import parallelize  # noqa: E402
+from sfm.distributed import strategies as parallelize  # noqa: E402
 from sfm.model import build_model, mae_config, param_count, train_flops_per_sample  # noqa: E402
-from sfm.train_step import TrainStep, build_optimizer  # noqa: E402
+from sfm.train.step import TrainStep, build_optimizer  # noqa: E402
 
 GOAL = 0.9
 STRATEGIES = ("ddp", "fsdp2-zero2")

@@ -2,21 +2,21 @@
 
     python benchmarks/stream.py [--shape 256 256 256] [--batch 8] [--batches 12] [--rounds 3] [--codec zstd:1]
 
-One synthetic survey (sfm.synth) is ingested by sfm.ingest into a temporary data root on each of two
+One synthetic survey (sfm.ingest.synth) is ingested by sfm.ingest.survey into a temporary data root on each of two
 S3 servers started here on loopback: ``moto_server`` (Python, in memory) and ``rclone serve s3``
 (Go, disk-backed; answers ranged GETs with 200, which obstore refuses), with 128^3 bricks (the
 ingest default) and, for the bytes-per-request comparison, 64^3 bricks. For each server:
 
 (a) raw: bytes/s of parallel GETs of the store's amplitude objects, one request per stored brick
     (its byte range from the shard index: the GETs a reader of this store makes), with obstore
-    (ranged; whole objects against rclone), s3fs (ranged) and sfm's own transport (sfm.s3_ranges,
+    (ranged; whole objects against rclone), s3fs (ranged) and sfm's own transport (sfm.storage.ranged_get,
     ranged), at 1-64 connections. The best client and connection count then also reads fixed
     strides of one uncompressed brick's size (fewer, larger requests); the raw limit is the faster
     of the two (rclone serves the stored bricks' ranges at half the server CPU per GB).
-(b) loader: ``sfm.data`` reading 128^3 crops with brick-aligned origins in this process: bytes/s it
+(b) loader: ``sfm.data.loader`` reading 128^3 crops with brick-aligned origins in this process: bytes/s it
     fetched from storage (counted by its store wrapper) and crop bytes/s it delivered (float32);
     goals fetched/raw >= 0.8 and delivered/fetched >= 0.5. The default loader (client "auto":
-    bricks over sfm.s3_ranges) and the same loader with every read through the general client
+    bricks over sfm.storage.ranged_get) and the same loader with every read through the general client
     (obstore; s3fs against rclone) alternate with the raw trial over ``--rounds`` rounds (medians),
     so background load hits all alike. Also: the default loader with origins anywhere (read
     amplification), and with 2 DataLoader worker processes.
@@ -130,7 +130,7 @@ def stored_brick_ranges(store_url: str, objects) -> dict[str, list[tuple[int, in
     from zarr.core.sync import sync
 
     from sfm import data
-    from sfm.bricks import BrickReader
+    from sfm.data.bricks import BrickReader
 
     _, amp = data.read_survey_info(store_url)
     reader = BrickReader.for_array(amp)
@@ -188,13 +188,13 @@ def raw_obstore(requests, connections: int, ranged: bool) -> int:
 
 
 def raw_http(requests, connections: int) -> int:
-    """sfm's own transport (sfm.s3_ranges): one blocking ranged GET per thread into that thread's buffer."""
+    """sfm's own transport (sfm.storage.ranged_get): one blocking ranged GET per thread into that thread's buffer."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
 
-    from sfm.s3_ranges import S3RangeReader
+    from sfm.storage.ranged_get import S3RangeReader
 
     reader = S3RangeReader(requests[0][0].split("/", 1)[0])
     local = threading.local()
@@ -318,7 +318,7 @@ def cpu_breakdown(url: str) -> dict:
     from zarr.core.sync import sync
 
     from sfm import data
-    from sfm.bricks import BrickReader
+    from sfm.data.bricks import BrickReader
 
     info, amp = data.read_survey_info(url)
     reader = BrickReader.for_array(amp)
@@ -369,7 +369,8 @@ def train_step_batches_per_s(batch: int, steps: int = 2) -> dict:
 # ---- the run --------------------------------------------------------------------------------------
 
 def bench_server(server: Server, segy: str, args) -> dict:
-    from sfm import data, ingest
+    from sfm import data
+    from sfm.ingest import survey as ingest
 
     server.use()
     import boto3
@@ -412,7 +413,7 @@ def bench_server(server: Server, segy: str, args) -> dict:
         strided = raw_function(best_client, plan_requests(objects, ranged, args.raw_mb * MB,
                                                           bytes_per_request=4 * brick**3), best_conn, ranged)
 
-        # the loader as configured by default ("auto": bricks over sfm.s3_ranges) and, for comparison, with
+        # the loader as configured by default ("auto": bricks over sfm.storage.ranged_get) and, for comparison, with
         # every read through the general client (obstore, or s3fs where the server refuses obstore)
         streams = {"auto": make_stream(url, args.batch),
                    "general": make_stream(url, args.batch, client="obstore" if ranged_obstore else "fsspec")}
@@ -476,7 +477,7 @@ def main() -> int:
     parser.add_argument("--codec", default=IngestConfig.codec, help="Blosc codec of the stores, cname[:clevel]")
     args = parser.parse_args()
 
-    from sfm.synth import synth_survey
+    from sfm.ingest.synth import synth_survey
 
     workdir = Path(tempfile.mkdtemp(prefix="sfm-bench-stream-"))
     servers = []

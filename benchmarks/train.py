@@ -2,13 +2,13 @@
 
     python benchmarks/train.py [--steps 3] [--threads 0] [--configs small:64:32,small:128:4,base:64:16,base:128:2]
 
-For each preset:crop:batch, times full training steps exactly as ``sfm.train`` runs them (forward,
-backward, gradient clipping, fused AdamW step; float32 on CPU) through ``sfm.train_step.TrainStep``
+For each preset:crop:batch, times full training steps exactly as ``sfm.train.trainer`` runs them (forward,
+backward, gradient clipping, fused AdamW step; float32 on CPU) through ``sfm.train.step.TrainStep``
 on random volumes, and divides the achieved FLOP/s (analytic FLOPs per sample from
 ``sfm.model.flops`` / measured step time) by the FLOP/s of a dense 2048^3 float32 matmul measured
 with the same thread count *right before that step*. The machine is shared, so every step is
 paired with its own matmul measurement and the median of the per-step ratios is reported.
-OMP_WAIT_POLICY defaults to PASSIVE, as for training runs (see sfm.launch); set it to compare.
+OMP_WAIT_POLICY defaults to PASSIVE, as for training runs (see sfm.distributed.launch); set it to compare.
 
 The last line is one JSON object: per config the step time, samples/s, voxels/s, achieved and
 matmul GFLOP/s and the ratio (MFU); ``min_mfu`` over the configs against the goal of 0.5.
@@ -24,16 +24,16 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# As sfm.launch does for training: idle OpenMP threads sleep instead of spinning. On a shared
+# As sfm.distributed.launch does for training: idle OpenMP threads sleep instead of spinning. On a shared
 # machine spinning threads take the cores their siblings need, and a training step (thousands of
 # short parallel regions) suffers far more than one long matmul. Must be set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from sfm.hardware import matmul_flops  # noqa: E402
+from sfm.model.hardware import matmul_flops  # noqa: E402
 from sfm.model import build_model, mae_config, param_count, train_flops_per_sample  # noqa: E402
-from sfm.train_step import TrainStep, build_optimizer  # noqa: E402
+from sfm.train.step import TrainStep, build_optimizer  # noqa: E402
 
 GOAL = 0.5
 DEFAULT_CONFIGS = "small:64:32,small:128:4,base:64:16,base:128:2"

@@ -16,9 +16,10 @@ from metaflow import (Config, FlowSpec, Parameter, card, config_expr, current, e
                       retry, schedule, step, trigger)
 from metaflow.exception import MetaflowException
 
-from sfm.cluster import job_of, kubernetes_placement, node_environment, pod_resources  # noqa: F401  (config expressions)
+# used by the config expressions below
+from sfm.ops.cluster import job_of, kubernetes_placement, node_environment, pod_resources  # noqa: F401
 from sfm.config import DEFAULT_TOML
-from sfm.watch import schedule_cron, trigger_event  # noqa: F401  (used by the config expressions below)
+from sfm.ops.schedule import schedule_cron, trigger_event  # noqa: F401
 
 
 class SFMInputError(MetaflowException):
@@ -29,11 +30,17 @@ class SFMInputError(MetaflowException):
 def user_errors():
     """Report errors the user can fix as one line (no traceback); bugs keep theirs."""
     from sfm.errors import SFMError
+    from sfm.storage.clients import user_error
 
     try:
         yield
     except SFMError as err:
         raise SFMInputError(str(err)) from None
+    except Exception as err:
+        problem = user_error(err)  # S3 unreachable or credentials missing: the user's to fix
+        if problem is None:
+            raise
+        raise SFMInputError(str(problem)) from None
 
 
 @schedule(cron=config_expr("schedule_cron(config)"), daily=config_expr("schedule_cron(config) is not None"))
@@ -88,7 +95,7 @@ class PretrainFlow(FlowSpec):
 
     @step
     def join(self, inputs):
-        from sfm import manifest
+        from sfm.ingest import manifest
 
         self.merge_artifacts(inputs, include=["job", "root", "run_key"])
         surveys = [i.survey for i in inputs]
@@ -132,7 +139,7 @@ class PretrainFlow(FlowSpec):
         """Held-out reconstruction against the baselines, the downstream evaluation (fine-tuned fault
         segmentation, pretrained vs random init), and the card (loss curve, slices, label efficiency, tables)."""
         from sfm import pipeline
-        from sfm.card import evaluation_components
+        from sfm.eval.card import evaluation_components
         from sfm.config import JobConfig
 
         self.merge_artifacts(inputs, exclude=["train_summary"])
@@ -167,7 +174,8 @@ class PretrainFlow(FlowSpec):
     def end(self):
         s = self.train_summary
         m = self.metrics
-        gains = ", ".join(f"{k[len('ft_ap_gain_b'):]} vol {v:+.3f}" for k, v in m.items() if k.startswith("ft_ap_gain_b"))
+        gains = ", ".join(f"{k[len('ft_ap_gain_b'):]} vol {v:+.3f}" for k, v in m.items()
+                          if k.startswith("ft_ap_gain_b"))
         print(f"trained {s['steps']} steps: loss {s['initial_loss']:.4f} -> {s['final_loss']:.4f}; "
               f"held-out masked NMSE {m['masked_nmse']:.4f} vs zero baseline {m['baseline_zero_nmse']:.4f}; "
               f"{'fine-tuned AP gain over random init: ' + gains + '; ' if gains else ''}"

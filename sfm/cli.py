@@ -15,7 +15,7 @@ from sfm.errors import SFMError
 
 
 def _cmd_synth(args: argparse.Namespace) -> None:
-    from sfm.synth import synth_survey
+    from sfm.ingest.synth import synth_survey
 
     result = synth_survey(
         args.out,
@@ -34,7 +34,7 @@ def _cmd_ingest(args: argparse.Namespace) -> None:
     """One JSON line per survey on stdout, one summary line on stderr; each bad file gets its own error line."""
     import time
 
-    from sfm.ingest import ingest_survey
+    from sfm.ingest.survey import ingest_survey
 
     t0, read_bytes, failures = time.perf_counter(), 0, []
     for src in args.src:
@@ -97,7 +97,7 @@ def _cmd_registry(args: argparse.Namespace) -> None:
 
 def _cmd_watch(args: argparse.Namespace) -> None:
     """Start a flow run (or publish an Argo Event) for each batch of new surveys in the landing prefix."""
-    from sfm.watch import FLOW_FILE, WatchOptions, watch
+    from sfm.ops.watch import FLOW_FILE, WatchOptions, watch
 
     opts = WatchOptions(landing=args.landing, data_root=args.data_root, flow=args.flow or str(FLOW_FILE),
                         config=args.config, overrides=args.set, held_out=args.held_out,
@@ -108,7 +108,7 @@ def _cmd_watch(args: argparse.Namespace) -> None:
 
 def _cmd_iam_policy(args: argparse.Namespace) -> None:
     """Print the least-privilege IAM policy (JSON) for the pipeline's S3 access to one data root."""
-    from sfm import iam
+    from sfm.storage import iam
 
     components = args.component or [*iam.COMPONENTS, *(["demo"] if args.demo else [])]
     document = iam.policy(args.data_root, landing=args.landing or [], metaflow_root=args.metaflow_root,
@@ -122,7 +122,7 @@ def _cmd_iam_policy(args: argparse.Namespace) -> None:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     """One line (or JSON) from a run's heartbeat; exit 1 when the run is stale or failed."""
-    from sfm import health
+    from sfm.train import health
 
     root = health.resolve_run_root(args.run, args.data_root)
     record = health.read_heartbeat(root)
@@ -147,8 +147,9 @@ def _job_config(args: argparse.Namespace):
 
 def _cmd_train(args: argparse.Namespace) -> None:
     """Train one node's share of a job (outside Metaflow: by hand, or on each node of a Slurm job)."""
-    from sfm import slurm, storage
-    from sfm.launch import port_for
+    from sfm import storage
+    from sfm.ops import slurm
+    from sfm.distributed.launch import port_for
 
     cfg = _job_config(args)
     run_root = storage.normalize(args.run_root)
@@ -168,7 +169,8 @@ def _cmd_slurm_script(args: argparse.Namespace) -> None:
     """Write the sbatch script that runs `sfm train` on every node of a Slurm allocation."""
     import shlex
 
-    from sfm import slurm, storage
+    from sfm import storage
+    from sfm.ops import slurm
 
     cfg = _job_config(args)
     opts = slurm.SbatchOptions(
@@ -210,6 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="allow a plain-http S3 endpoint off loopback (same as SFM_ALLOW_INSECURE_S3=1)")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _add_data_commands(sub)
+    _add_model_commands(sub)
+    _add_run_commands(sub)
+    return parser
+
+
+def _add_data_commands(sub) -> None:
+    """synth, ingest: SEG-Y in, survey stores out."""
     p = sub.add_parser("synth", help="write a synthetic post-stack SEG-Y survey and its fault labels")
     p.add_argument("out", help="output SEG-Y path (fault labels are written beside it)")
     p.add_argument("--shape", type=int, nargs=3, metavar=("IL", "XL", "NS"), default=[64, 64, 128])
@@ -239,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fail on NaN/inf samples instead of replacing them by 0 and counting them")
     p.set_defaults(func=_cmd_ingest)
 
+
+def _add_model_commands(sub) -> None:
+    """registry, watch, iam-policy: registered models, retraining and the S3 policy."""
     p = sub.add_parser("registry", help="list, show, promote or load registered model versions")
     p.add_argument("action", choices=["list", "show", "promote", "load"])
     p.add_argument("--data-root", required=True)
@@ -277,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", default="aws", help="ARN partition (aws, aws-cn, aws-us-gov)")
     p.set_defaults(func=_cmd_iam_policy)
 
+
+def _add_run_commands(sub) -> None:
+    """status, train, slurm-script: running training outside Metaflow and watching it."""
     p = sub.add_parser("status", help="a training run's progress from its heartbeat")
     p.add_argument("run", help="run root (s3://.../checkpoints/RUN or a local path) or a run name "
                    "(PretrainFlow-ID or PretrainFlow/ID, with --data-root)")
@@ -306,7 +322,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auto-resume", action="store_true",
                    help="HyperPod: srun --auto-resume=1 (replace a faulty node and rerun the step)")
     p.set_defaults(func=_cmd_slurm_script)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,13 +329,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.allow_insecure_s3:
         import os
 
-        from sfm.security import INSECURE_ENV
+        from sfm.storage.security import INSECURE_ENV
 
         os.environ[INSECURE_ENV] = "1"
     try:
         status = args.func(args)
     except SFMError as err:
         print(f"sfm {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        from sfm.storage.clients import user_error
+
+        problem = user_error(err)
+        if problem is None:
+            raise
+        print(f"sfm {args.command}: error: {problem}", file=sys.stderr)
         return 2
     return status or 0
 

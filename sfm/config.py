@@ -16,15 +16,58 @@ from typing import Any
 from sfm.errors import SFMError
 
 DEFAULT_TOML = Path(__file__).with_name("default.toml")
-STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")  # dist.strategy: what sfm.parallelize applies
+AUGMENTATIONS = ("flip_inline", "flip_crossline", "swap")  # data.augment: what sfm.data.crops may apply per crop
+ALIGNMENTS = ("voxel", "brick")  # data.align: crop origins anywhere, or on the store's brick grid
+CLIENTS = ("auto", "http", "obstore", "fsspec")  # data.client: how the loader reads S3
+STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")  # dist.strategy: what sfm.distributed.strategies applies
 
 
 @dataclass
 class IngestConfig:
+    """What shapes a survey store (sfm.ingest); the same file with the same settings gives the same bytes."""
+
     iline_byte: int = 0  # trace-header byte of the inline number; 0 (with xline_byte 0): detect among the common pairs
     xline_byte: int = 0  # of the crossline number
+    endian: str = "auto"  # auto | big | little
     chunk: int = 128  # brick edge in voxels (clipped to the survey's shape)
-    codec: str = "zstd:1"  # Blosc "cname[:clevel]" of the amplitude bricks (why zstd: sfm.ingest); lz4 decodes faster
+    dtype: str = "float32"  # float32 (lossless) | float16 (standardised values, transform recorded)
+    max_sparsity: float = 10.0  # largest allowed ratio of grid cells to traces
+    nonfinite: str = "replace"  # "replace" NaN/inf by 0 and report, or "refuse" the file
+    workers: int = 0  # threads; 0: the cores (at most 16), two more when the store is remote (PUTs wait)
+    codec: str = "zstd:1"  # Blosc "cname[:clevel]" of the amplitude bricks; lz4 decodes faster (BENCHMARKS.md "Ingest")
+
+    def check(self) -> None:
+        """Every setting valid, or SFMError naming it and the fix."""
+        codec_settings(self.codec)
+        if self.dtype not in ("float32", "float16"):
+            raise SFMError(f"--dtype {self.dtype!r} is not supported; use float32 (lossless) or float16")
+        if self.nonfinite not in ("replace", "refuse"):
+            raise SFMError(f"nonfinite={self.nonfinite!r}: use 'replace' or 'refuse'")
+        if self.endian not in ("auto", "big", "little"):
+            raise SFMError(f"ingest.endian = {self.endian!r}: use auto, big or little")
+        if not 1 <= int(self.chunk) <= 4096:
+            raise SFMError(f"--chunk {self.chunk} is not a brick edge; give 1..4096 voxels (default 128)")
+        if not self.max_sparsity >= 1:
+            raise SFMError(f"--max-sparsity {self.max_sparsity} must be at least 1 (cells per trace)")
+        for byte in (self.iline_byte, self.xline_byte):
+            if byte and not 1 <= int(byte) <= 237:
+                raise SFMError(f"byte location {byte} is outside the 240-byte trace header; use 1..237")
+
+
+CODEC_NAMES = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
+
+
+def codec_settings(codec: str) -> tuple[str, int]:
+    """(cname, clevel) of a Blosc ``codec`` = "cname[:clevel]" (clevel 1 if not given), or SFMError."""
+    cname, _, level = str(codec).strip().partition(":")
+    try:
+        clevel = int(level) if level else 1
+    except ValueError:
+        clevel = -1
+    if cname not in CODEC_NAMES or not 1 <= clevel <= 9:
+        raise SFMError(f"codec {codec!r} is not a Blosc codec; use one of {', '.join(CODEC_NAMES)}, optionally "
+                       "with a level 1-9 (e.g. zstd:1, the default, or lz4)")
+    return cname, clevel
 
 
 @dataclass
@@ -38,7 +81,7 @@ class DataConfig:
     workers: int = 0  # DataLoader worker processes per rank; 0 reads on threads of the training process
     read_threads: int = 8  # crop tiles read at once per process (each fetches its bricks concurrently)
     prefetch: int = 2  # batches each worker reads ahead
-    client: str = "auto"  # S3 reads: auto (bricks by sfm.s3_ranges, the rest obstore or s3fs), http, obstore, fsspec
+    client: str = "auto"  # S3 reads: auto (bricks by ranged GETs, the rest obstore or s3fs), http, obstore, fsspec
     retry_seconds: float = 120.0  # how long transient S3 failures are retried before a read fails
 
 
@@ -79,8 +122,8 @@ class DistConfig:
     procs_per_node: int = 1
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     timeout_s: int = 300  # collectives (and rendezvous) fail after this: a dead rank never hangs the job
-    strategy: str = "ddp"  # ddp | fsdp2-zero2 | fsdp2-full (see sfm.parallelize)
-    cp: int = 1  # context-parallel ranks per volume (dp = world size / cp); see sfm.context_parallel
+    strategy: str = "ddp"  # ddp | fsdp2-zero2 | fsdp2-full (see sfm.distributed.strategies)
+    cp: int = 1  # context-parallel ranks per volume (dp = world size / cp); see sfm.distributed.context_parallel
 
 
 @dataclass
@@ -95,7 +138,7 @@ class HealthConfig:
 @dataclass
 class ClusterConfig:
     """Where the pretrain step's nodes run on a cluster (HyperPod EKS via Metaflow, HyperPod Slurm via
-    ``sfm slurm-script``); see sfm/cluster.py. Ignored by local runs. Lists are comma-separated."""
+    ``sfm slurm-script``); see sfm/ops/cluster.py. Ignored by local runs. Lists are comma-separated."""
 
     image: str = ""  # container image with sfm installed; "": METAFLOW_KUBERNETES_CONTAINER_IMAGE
     instance_type: str = ""  # node selector node.kubernetes.io/instance-type, e.g. ml.p5en.48xlarge
@@ -112,7 +155,7 @@ class ClusterConfig:
 
 @dataclass
 class EvalConfig:
-    """Held-out reconstruction (``crops``) and the downstream evaluation (sfm.downstream): the encoder
+    """Held-out reconstruction (``crops``) and the downstream evaluation (sfm.eval.downstream): the encoder
     fine-tuned for fault segmentation against random initialisation at each label budget."""
 
     crops: int = 16
@@ -133,7 +176,7 @@ class EvalConfig:
 
 @dataclass
 class SynthConfig:
-    """The surveys generated into <data-root>/landing when a run names none (sfm.synth)."""
+    """The surveys generated into <data-root>/landing when a run names none (sfm.ingest.synth)."""
 
     train_surveys: int = 2
     held_out_surveys: int = 1
@@ -195,6 +238,41 @@ class JobConfig:
             cfg.set(key.strip(), _parse_literal(value.strip()))
         return cfg
 
+    def validate(self) -> None:
+        """Every setting in range and the model buildable, or SFMError naming the key and the fix:
+        the flow's ``start`` and ``sfm train`` call this before any survey is read."""
+        self.ingest.check()
+        d, t, e = self.data, self.train, self.eval
+        at_least = {"data.batch_size": (d.batch_size, 1), "data.read_threads": (d.read_threads, 1),
+                    "data.workers": (d.workers, 0), "data.prefetch": (d.prefetch, 1),
+                    "train.max_steps": (t.max_steps, 1), "train.warmup_steps": (t.warmup_steps, 0),
+                    "train.grad_accum": (t.grad_accum, 1), "train.checkpoint_every": (t.checkpoint_every, 1),
+                    "train.keep_checkpoints": (t.keep_checkpoints, 0), "train.log_every": (t.log_every, 1),
+                    "eval.crops": (e.crops, 1), "eval.seeds": (e.seeds, 1), "eval.test_volumes": (e.test_volumes, 1),
+                    "eval.finetune_steps": (e.finetune_steps, 1), "eval.finetune_batch": (e.finetune_batch, 1)}
+        for key, (value, low) in at_least.items():
+            if value < low:
+                hint = "; pass a positive --max-steps" if key == "train.max_steps" else ""
+                raise SFMError(f"{key} = {value} must be at least {low}{hint}")
+        if any(n < 1 for n in d.crop) or any(b < 1 for b in e.budgets):
+            raise SFMError(f"data.crop = {list(d.crop)} and eval.budgets = {list(e.budgets)} must be positive")
+        if not (t.lr > 0 and t.min_lr >= 0 and 0 <= d.min_live_fraction <= 1 and 0 < self.model.mask_ratio < 1):
+            raise SFMError("train.lr must be > 0, train.min_lr >= 0, data.min_live_fraction in [0, 1] and "
+                           "model.mask_ratio in (0, 1)")
+        if any(not 0 < f < 1 for f in t.snapshots):
+            raise SFMError(f"train.snapshots = {list(t.snapshots)}: each must be a fraction of the steps in (0, 1)")
+        for key, value, valid in (("data.align", d.align, ALIGNMENTS), ("data.client", d.client, CLIENTS),
+                                  ("dist.strategy", self.dist.strategy, STRATEGIES)):
+            if value not in valid:
+                raise SFMError(f"{key} = {value!r} is not valid; use one of {', '.join(valid)}")
+        unknown = [a for a in filter(None, (x.strip() for x in d.augment.split(","))) if a not in AUGMENTATIONS]
+        if unknown:
+            raise SFMError(f"data.augment names {', '.join(unknown)}; use any of {', '.join(AUGMENTATIONS)}")
+        from sfm.model import model_config_for  # the preset exists and its settings make a model
+
+        model_config_for(self)
+        self.check_parallelism()
+
     def check_parallelism(self, world: int | None = None) -> None:
         """Refuse a [dist] section no run could train with, before anything starts. ``world``: the
         number of training processes (default: nodes x procs_per_node)."""
@@ -228,8 +306,22 @@ class JobConfig:
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
+    def to_toml(self) -> str:
+        """This config as TOML that :meth:`from_toml` reads back to the same config."""
+        return toml_text(self.to_dict())
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def toml_text(config: dict[str, Any]) -> str:
+    """A job config dict ({section: {key: value}}) as TOML; None values are left out (the defaults)."""
+    lines = []
+    for section, values in config.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items() if value is not None]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _section_names() -> list[str]:

@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sfm import manifest, registry, storage
+from sfm import registry, storage
+from sfm.ingest import manifest
 from sfm.config import JobConfig, SynthConfig
 from sfm.errors import SFMError
 
@@ -35,7 +36,7 @@ def job_config(config: dict | None, *, preset: str = "", max_steps: int = 0, nod
     cfg.set("dist.procs_per_node", procs_per_node)
     if cfg.dist.nodes < 1 or cfg.dist.procs_per_node < 1:
         raise SFMError("--nodes and --procs-per-node must be at least 1")
-    cfg.check_parallelism()
+    cfg.validate()
     return cfg
 
 
@@ -46,7 +47,7 @@ def plan_surveys(surveys: str, held_out: str, data_root: str, synth: SynthConfig
     Every named source is checked now (exists, reads as SEG-Y), so a bad entry fails the run before
     anything is written, with a one-line error naming it.
     """
-    from sfm.segy import BINARY_HEADER_BYTES, TEXT_HEADER_BYTES, layout_from_header
+    from sfm.ingest.segy import BINARY_HEADER_BYTES, TEXT_HEADER_BYTES, layout_from_header
 
     train_urls, held_urls = storage.split_urls(surveys), storage.split_urls(held_out)
     if not train_urls:
@@ -76,7 +77,7 @@ def plan_surveys(surveys: str, held_out: str, data_root: str, synth: SynthConfig
 def generate_demo_surveys(data_root: str, synth: SynthConfig | None = None) -> list[dict[str, Any]]:
     """Write the generated surveys (and their fault labels) into ``<data_root>/landing``: ``synth``'s
     training surveys ``demo-train-<k>`` (seed k) and held-out ``demo-heldout-<k>`` (seed 500 + k)."""
-    from sfm.synth import synth_survey
+    from sfm.ingest.synth import synth_survey
 
     synth = synth or SynthConfig()
     if synth.train_surveys < 1 or synth.held_out_surveys < 1:
@@ -99,11 +100,9 @@ def generate_demo_surveys(data_root: str, synth: SynthConfig | None = None) -> l
 
 def ingest(source: dict[str, Any], data_root: str, cfg: JobConfig) -> dict[str, Any]:
     """Ingest one planned survey; returns a small reference (ids, URLs, shape, status)."""
-    from sfm.ingest import ingest_survey
+    from sfm.ingest.survey import ingest_survey
 
-    row = ingest_survey(source["url"], data_root, iline_byte=cfg.ingest.iline_byte or None,
-                        xline_byte=cfg.ingest.xline_byte or None, chunk=cfg.ingest.chunk,
-                        codec=cfg.ingest.codec)
+    row = ingest_survey(source["url"], data_root, cfg.ingest)
     keep = ("survey_id", "name", "source_url", "store_url", "shape", "status", "seconds")
     return {**{k: row[k] for k in keep}, "held_out": bool(source["held_out"])}
 
@@ -115,14 +114,10 @@ def run_root(data_root: str, flow_name: str, run_key: str) -> str:
 def pretrain_node(cfg: JobConfig, *, train_stores: list[str], root: str, nodes: int, node_index: int,
                   main_addr: str, rendezvous_key: str) -> dict[str, Any] | None:
     """Launch this node's training processes; node 0 returns the training summary."""
-    from sfm.launch import launch_node, port_for
+    from sfm.distributed.launch import port_for, run_node
 
     job = {"config": cfg.to_dict(), "surveys": train_stores, "run_root": root}
-    launch_node(job, nodes=nodes, procs_per_node=cfg.dist.procs_per_node, node_rank=node_index,
-                main_addr=main_addr, main_port=port_for(rendezvous_key))
-    if node_index != 0:
-        return None
-    return json.loads(storage.read_bytes(storage.join(root, "summary.json")))
+    return run_node(job, nodes=nodes, node_rank=node_index, main_addr=main_addr, main_port=port_for(rendezvous_key))
 
 
 def resolve_init_from(cfg: JobConfig, init_from: str, data_root: str) -> JobConfig:
@@ -132,7 +127,7 @@ def resolve_init_from(cfg: JobConfig, init_from: str, data_root: str) -> JobConf
     ``registry.model_name`` in ``data_root``; anything else is an exported model folder URL.
     """
     from sfm.model.mae import MAEConfig
-    from sfm.train import model_config_for
+    from sfm.model import model_config_for
 
     value = str(init_from or "").strip()
     if value in ("champion", "latest") or (value[:1] == "v" and value[1:].isdigit()):
@@ -162,7 +157,7 @@ def evaluate(model_url: str, held_out_stores: list[str], cfg: JobConfig) -> tupl
     Returns (metrics, figures): figures holds the arrays the card draws (``reconstruction``: the first
     evaluation crop; ``faults``: a test volume with both networks' predictions), not kept as artifacts.
     """
-    from sfm.evaluate import evaluate_model, summarize
+    from sfm.eval.reconstruction import evaluate_model, summarize
     from sfm.model.io import load
 
     model = load(model_url)
@@ -170,7 +165,7 @@ def evaluate(model_url: str, held_out_stores: list[str], cfg: JobConfig) -> tupl
     metrics = evaluate_model(model, held_out_stores, cfg, example=figures["reconstruction"])
     print(f"sfm evaluate: {summarize(metrics)}")
     if cfg.eval.downstream:
-        from sfm import downstream
+        from sfm.eval import downstream
 
         metrics.update(downstream.evaluate_downstream(model, downstream.recipe_of(cfg.eval), example=figures["faults"]))
         print(f"sfm evaluate: {downstream.summarize(metrics)}")

@@ -9,7 +9,7 @@
     registry/<model>/champion/<seq>.json      one immutable entry per promotion (registry_champion contract);
                                               the highest seq names the champion
 
-Concurrency uses one primitive, :func:`claim`: :func:`sfm.storage.write_bytes_if_absent` (a hard
+Concurrency uses one primitive, :func:`claim`: :func:`sfm.storage.objects.write_bytes_if_absent` (a hard
 link locally, a conditional ``If-None-Match: *`` PUT on S3) of a unique token, read back to confirm.
 AWS S3 makes the conditional PUT atomic; some S3-compatible servers only check, then write (moto_server
 does: two racing PUTs can both succeed, the later one's bytes stay), and the read-back after a short
@@ -39,7 +39,7 @@ import uuid
 from typing import Any
 
 from sfm import storage
-from sfm.contracts import validate
+from sfm.ingest.contracts import validate
 from sfm.errors import SFMError
 
 METRIC = "masked_nmse"

@@ -1,4 +1,4 @@
-"""Survey stores for the loader tests: a synthetic SEG-Y with traces removed, ingested by sfm.ingest.
+"""Survey stores for the loader tests: a synthetic SEG-Y with traces removed, ingested by sfm.ingest.survey.
 
 The holes are real: the traces are missing from the SEG-Y file itself, so ``trace_mask`` and the
 statistics are what ingest derives from such a file.
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sfm import ingest, synth
+from sfm.ingest import survey as ingest
+from sfm.ingest import synth
 
 TRACE_HEADER = 240
 FILE_HEADER = 3600

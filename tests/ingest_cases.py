@@ -1,4 +1,4 @@
-"""SEG-Y edge cases for the ingest tests, made from sfm.synth.write_segy plus raw byte edits.
+"""SEG-Y edge cases for the ingest tests, made from sfm.ingest.synth.write_segy plus raw byte edits.
 
 Every helper writes a real SEG-Y file (segyio wrote the original) and returns what ingest should
 store, so tests compare the store against an independent expectation.
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import segyio
 
-from sfm import synth
+from sfm.ingest import synth
 
 FILE_HEADER = 3600
 TRACE_HEADER = 240
@@ -24,7 +24,7 @@ def volume(shape=(12, 10, 24), seed: int = 0) -> np.ndarray:
 
 
 def write(path: Path, amplitude: np.ndarray, **options) -> Path:
-    """sfm.synth.write_segy with format 5 by default; returns the path."""
+    """sfm.ingest.synth.write_segy with format 5 by default; returns the path."""
     options.setdefault("sample_format", 5)
     synth.write_segy(path, amplitude, **options)
     return Path(path)

@@ -1,4 +1,4 @@
-"""sfm.checkpoint: complete-or-invisible checkpoints, keep-last-K, fallback past unreadable ones;
+"""sfm.train.checkpoint: complete-or-invisible checkpoints, keep-last-K, fallback past unreadable ones;
 on local disk and on an S3 server (moto_server over HTTP)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from sfm import checkpoint, storage
+from sfm import storage
+from sfm.train import checkpoint
 
 
 def _write(root: str, step: int, keep: int = 2, value: float | None = None) -> dict:

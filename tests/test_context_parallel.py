@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from sfm.context_parallel import (
+from sfm.distributed.context_parallel import (
     ContextParallelMAE,
     CPLoss,
     all_reduce_grads,
@@ -28,10 +28,10 @@ from sfm.context_parallel import (
     remove_context_parallel,
 )
 from sfm.errors import SFMError
-from sfm.launch import free_port
+from sfm.distributed.launch import free_port
 from sfm.model import build_model, mae_config
-from sfm.ring_attention import RingAttention, even_split, ring_attention, shard_bounds
-from sfm.train_step import TrainStep
+from sfm.distributed.ring_attention import RingAttention, even_split, ring_attention, shard_bounds
+from sfm.train.step import TrainStep
 
 TOL = 1e-5  # relative error, float32
 
@@ -199,7 +199,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     # children fork from a server that imported torch once (a fresh interpreter per rank costs
     # seconds of imports each on a busy machine)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "pytest", "sfm.model", "sfm.context_parallel"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "pytest", "sfm.model", "sfm.distributed.context_parallel"])
     mp.start_processes(_worker, args=(3, free_port(), str(out)), nprocs=3, join=True, start_method="forkserver")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
 

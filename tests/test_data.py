@@ -18,7 +18,9 @@ import torch
 import zarr
 
 from crop_stores import survey_with_holes
-from sfm import bricks, data, ingest
+from sfm import data
+from sfm.data import bricks, crops
+from sfm.ingest import survey as ingest
 from sfm.config import JobConfig
 from sfm.errors import SFMError
 
@@ -211,7 +213,7 @@ def test_large_crops_are_read_as_brick_tiles(surveys, monkeypatch):
     assert (covered == 1).all() and len(tiles) > 8
 
     whole = data.CropSampler(surveys.urls, (32, 32, 48), seed=23, augment=data.AUGMENTATIONS).read_many([0, 1, 2])
-    monkeypatch.setattr(data, "_TILE_VOXELS", 16**3)
+    monkeypatch.setattr(crops, "_TILE_VOXELS", 16**3)
     tiled = data.CropSampler(surveys.urls, (32, 32, 48), seed=23, augment=data.AUGMENTATIONS)
     assert len(data.brick_tiles(tiled.locate(0).origin, tiled.locate(0).extent, (16, 16, 16))) >= 4
     np.testing.assert_array_equal(tiled.read_many([0, 1, 2]), whole)

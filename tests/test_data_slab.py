@@ -1,6 +1,6 @@
 """Context-parallel crop reads: each cp rank of a group reads only its inline slab of the group's crops.
 
-The slabs of one crop, from :func:`sfm.context_parallel.crop_slab`, tile it: concatenated along axis 0
+The slabs of one crop, from :func:`sfm.distributed.context_parallel.crop_slab`, tile it: concatenated along axis 0
 they are the crop, with every augmentation. A rank fetches only the bricks its slab needs, and a
 slab stream resumes like a whole-crop stream.
 """
@@ -16,7 +16,7 @@ import torch
 from test_data import stream, surveys  # noqa: F401 (surveys: the same two holed surveys, a fixture)
 from sfm import data
 from sfm.config import JobConfig
-from sfm.context_parallel import crop_slab
+from sfm.distributed.context_parallel import crop_slab
 from sfm.errors import SFMError
 
 SQUARE = (24, 24, 16)  # D == H, so swap is drawn

@@ -1,4 +1,4 @@
-"""The downstream evaluation (sfm.downstream): its scores on cases with known answers, and that it
+"""The downstream evaluation (sfm.eval.downstream): its scores on cases with known answers, and that it
 tells an encoder that holds fault features from a random one, the same way every time."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from sfm import downstream
+from sfm.eval import downstream
 from sfm.config import EvalConfig
 from sfm.model import mae_config
 from sfm.model.mae import MaskedAutoencoder3D

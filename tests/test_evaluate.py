@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sfm.evaluate import MaskedError, interpolate_masked, metrics_table, predictions, visible_voxels
+from sfm.eval.reconstruction import MaskedError, interpolate_masked, metrics_table, predictions, visible_voxels
 from sfm.model import build_model, mae_config
 
 

@@ -29,3 +29,32 @@ def test_bad_survey_entry_fails_with_one_line(tmp_path, metaflow_env, segy_dir, 
     assert not (data_root / "manifest").exists()
     assert not (data_root / "surveys").exists()
     assert not (data_root / "registry").exists()
+
+
+@pytest.mark.timeout(300)
+def test_bad_job_settings_fail_in_start_before_any_ingest(tmp_path, metaflow_env, segy_dir):
+    """An unknown preset fails the run's first step in one line, not retried, nothing ingested."""
+    data_root = tmp_path / "data"
+    result = run_flow(metaflow_env, cwd=str(tmp_path), data_root=str(data_root), surveys=str(segy_dir / "f3.sgy"),
+                      held_out=str(segy_dir / "Format1msb.sgy"), preset="gigantic")
+    assert result.status == "failed"
+    output = result.stdout + result.stderr
+    assert [line for line in output.splitlines() if "unknown model preset 'gigantic'" in line and "tiny" in line]
+    assert "Traceback" not in output and "/ingest/" not in output, output[-3000:]  # failed in start
+    assert output.count("/start/1 ") and "Retrying" not in output
+    assert not (data_root / "surveys").exists() and not (data_root / "manifest").exists()
+
+
+def test_job_settings_are_validated_with_the_key_and_the_fix():
+    from sfm import pipeline
+    from sfm.errors import SFMError
+
+    for kwargs, words in ((dict(max_steps=-5), "train.max_steps = -5 must be at least 1; pass a positive --max-steps"),
+                          (dict(preset="gigantic"), "valid presets are tiny, mini"),
+                          (dict(config={"data": {"augment": "rotate"}}), "data.augment names rotate"),
+                          (dict(config={"train": {"snapshots": [1.5]}}), "train.snapshots"),
+                          (dict(config={"data": {"client": "curl"}}), "data.client = 'curl' is not valid")):
+        config = kwargs.pop("config", {})
+        with pytest.raises(SFMError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+            pipeline.job_config(config, **kwargs)
+    pipeline.job_config({})  # the defaults pass

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from flowrun import client_view, run_flow
 
-from sfm import health
+from sfm.train import health
 
 STEP_TIMEOUT_S = 15
 JOB_TOML = f"""

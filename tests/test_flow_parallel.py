@@ -85,7 +85,7 @@ def test_parallel_pretrain_survives_a_killed_rank_and_equals_one_process(nodes, 
     assert len(digests) == nodes * procs and len(set(digests)) == 1, digests
 
     # one process, the same global batch and seed, uninterrupted
-    from sfm.launch import free_port, launch_node
+    from sfm.distributed.launch import free_port, launch_node
 
     run_root = Path(summary["model_url"]).parent
     ref_config = json.loads((run_root / "job_config.json").read_text())

@@ -1,4 +1,4 @@
-"""sfm.health: the hang watchdog (real hung processes), the non-finite guard (also across two gloo
+"""sfm.train.health: the hang watchdog (real hung processes), the non-finite guard (also across two gloo
 ranks), the heartbeat and ``sfm status`` (local and on the loopback S3 server)."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import time
 import pytest
 import torch
 
-from sfm import health
+from sfm.train import health
 from sfm.errors import SFMError
 
 # ---- watchdog ------------------------------------------------------------------------------------------
 
 _HUNG_SCRIPT = textwrap.dedent("""
     import subprocess, sys, threading, time
-    from sfm.health import Watchdog
+    from sfm.train.health import Watchdog
 
     def reader_blocked_on_s3(event):
         event.wait()
@@ -67,7 +67,7 @@ def test_watchdog_fails_a_hung_process_with_every_stack_in_the_log():
 
 _GIL_HOLDING_SCRIPT = textwrap.dedent("""
     import re, sys
-    from sfm.health import Watchdog
+    from sfm.train.health import Watchdog
 
     dog = Watchdog(timeout_s=1.0, backstop_grace_s=1.0).start()
     dog.progress(7)

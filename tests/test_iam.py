@@ -12,7 +12,7 @@ import sys
 import pytest
 from s3_request_log import Call, Request, allowed, s3_calls
 
-from sfm import iam
+from sfm.storage import iam
 from sfm.errors import SFMError
 
 ROOT = "s3://acme-seismic/sfm"

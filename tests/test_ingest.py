@@ -18,10 +18,11 @@ import pytest
 import segyio
 import zarr
 
-from sfm import manifest, storage
-from sfm.contracts import read_store_attrs
+from sfm import storage
+from sfm.ingest import manifest
+from sfm.ingest.contracts import read_store_attrs
 from sfm.errors import SFMError
-from sfm.ingest import ingest_survey, open_survey
+from sfm.ingest.survey import ingest_survey, open_survey
 
 VALID = ["f3.sgy", "Format1msb.sgy", "Format5lsb.sgy", "Format8msb.sgy", "small.sgy", "small-lsb.sgy", "tiny.sgy",
          "rotated-small-rev2.sgy"]
@@ -353,7 +354,7 @@ def test_checksum_is_the_files_blake3_and_survey_id_its_prefix(tmp_path, segy_di
     attrs = read_store_attrs(row["store_url"])
     assert row["checksum"] == attrs["checksum"] == f"blake3:{digest}" and attrs["checksum_algorithm"] == "blake3"
     assert row["survey_id"] == digest[:16]
-    from sfm.segy import file_digest
+    from sfm.ingest.segy import file_digest
 
     assert file_digest(str(segy_dir / "small.sgy")) == digest  # what sfm watch uses to know a file's survey
 
@@ -361,7 +362,7 @@ def test_checksum_is_the_files_blake3_and_survey_id_its_prefix(tmp_path, segy_di
 @pytest.mark.parametrize("codec,via", [("lz4", "cli"), ("zstd:3", "api")])
 def test_codec_is_configurable(tmp_path, codec, via):
     from sfm.config import IngestConfig
-    from sfm.ingest import DEFAULT_CODEC
+    from sfm.ingest.options import DEFAULT_CODEC
 
     assert IngestConfig().codec == DEFAULT_CODEC  # the flow's [ingest] codec defaults to ingest's own
     amplitude = cases.volume((10, 9, 20), seed=2)

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from test_ingest import Backend, backend  # noqa: F401  (the local/S3 fixture)
 
-from sfm import manifest
-from sfm.ingest import ingest_survey
+from sfm.ingest import manifest
+from sfm.ingest.survey import ingest_survey
 
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -135,7 +135,7 @@ def test_cli_prints_a_line_per_survey_and_an_error_per_bad_file(tmp_path, segy_d
 
 
 def test_a_rerun_removes_what_killed_writers_left_and_keeps_live_ones(tmp_path):
-    from sfm.store_writer import HOST
+    from sfm.ingest.zarr_writer import HOST
 
     source = cases.write(tmp_path / "s.sgy", cases.volume((20, 20, 40), seed=3))
     done = ingest_survey(str(source), str(tmp_path / "done"), chunk=8)

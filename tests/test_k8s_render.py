@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import FLOW, PROJECT
-from sfm.cluster import EFA_ENV, EFA_RESOURCE, INSTANCE_TYPE_LABEL, kubernetes_options, node_environment, pod_resources
+from sfm.ops.cluster import EFA_ENV, EFA_RESOURCE, INSTANCE_TYPE_LABEL, kubernetes_options, node_environment, pod_resources
 from sfm.errors import SFMError
 
 P5EN = PROJECT / "configs" / "hyperpod_p5en.toml"

@@ -16,19 +16,17 @@ import gzip
 import io
 import json
 import os
-import re
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 from urllib.parse import quote, quote_plus
 
 import pytest
-from conftest import PROJECT, TEST_ACCESS_KEY, TEST_SECRET_KEY
+from conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
 from flowrun import run_flow
 from s3_request_log import S3RequestLog, allowed, s3_calls
 
-from sfm import iam
+from sfm.storage import iam
 
 BUCKET = "sfm-leaks"
 DATA_ROOT = f"s3://{BUCKET}/data"
@@ -146,11 +144,7 @@ def s3_run(s3_server, tmp_path_factory):
     cwd.mkdir()
     tmpdir.mkdir()
     # checkpoint often enough that old checkpoints are pruned (DeleteObject); a short evaluation
-    toml, n = re.subn(r"(?m)^checkpoint_every\s*=.*$", "checkpoint_every = 10",
-                      (PROJECT / "sfm" / "default.toml").read_text())
-    assert n == 1
-    for key, value in (("crops", 4), ("downstream", "false")):
-        toml = re.sub(rf"(?m)^{key}\s*=.*$", f"{key} = {value}", toml)
+    toml = "[train]\ncheckpoint_every = 10\n[eval]\ncrops = 4\ndownstream = false\n"
     config = tmp / "job.toml"
     config.write_text(toml)
     s3_server.make_bucket(BUCKET)

@@ -380,7 +380,7 @@ def test_model_package_imports_only_torch():
     code = (
         "import sys, sfm.model\n"
         "assert callable(sfm.model.load) and callable(sfm.model.save)\n"
-        "bad = [m for m in ('metaflow', 'zarr', 'segyio', 'boto3', 'fsspec', 's3fs', 'sfm.storage',"
+        "bad = [m for m in ('metaflow', 'zarr', 'segyio', 'boto3', 'fsspec', 's3fs', 'sfm.storage.objects',"
         " 'torch.distributed.fsdp')"
         " if m in sys.modules]\n"
         "print(','.join(bad))\n"

@@ -1,4 +1,4 @@
-"""sfm.parallelize on 2 real processes (gloo, CPU): for ddp, fsdp2-zero2 and fsdp2-full, the loss
+"""sfm.distributed.strategies on 2 real processes (gloo, CPU): for ddp, fsdp2-zero2 and fsdp2-full, the loss
 curve equals one process training on the same global batch with the same seed, all ranks end with
 identical full weights, and a sharded checkpoint saved mid-run (to local disk, and for fsdp2-full to
 S3 on a loopback moto_server) loads into a freshly built model and optimiser and continues exactly as
@@ -6,7 +6,7 @@ the run that saved it; full weights load into a sharded model.
 
 Masking is random, so each sample is one micro-batch whose masking noise is seeded by (step, global
 sample index): any split of the global batch over ranks then sees the same masks. That also runs
-gradient accumulation through :func:`sfm.parallelize.no_sync`.
+gradient accumulation through :func:`sfm.distributed.strategies.no_sync`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import free_port
-from sfm import parallelize
+from sfm.distributed import gloo_overlap
+from sfm.distributed import strategies as parallelize
 from sfm.model import build_model, mae_config
-from sfm.train_step import build_optimizer
+from sfm.train.step import build_optimizer
 
 WORLD = 2
 GLOBAL_BATCH = 4
@@ -159,13 +160,13 @@ def overlap_worker(rank: int, port: int, out_dir: str) -> None:
         model = parallelize.apply_strategy(make_model(), "fsdp2-zero2")
         in_flight = []
         model.patch_embed.register_full_backward_pre_hook(
-            lambda *_: in_flight.append(len(parallelize._PENDING.works)))
+            lambda *_: in_flight.append(len(gloo_overlap._PENDING.works)))
         per_rank = GLOBAL_BATCH // WORLD
         for step in range(2):
             torch.manual_seed(step)
             loss, _, _ = model(global_batch(step)[rank * per_rank:(rank + 1) * per_rank])
             loss.backward()
-            in_flight.append(len(parallelize._PENDING.works))
+            in_flight.append(len(gloo_overlap._PENDING.works))
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     finally:
         dist.destroy_process_group()
@@ -189,3 +190,43 @@ def test_fsdp2_on_gloo_overlaps_reductions_with_backward_and_accumulates_exactly
             (loss / WORLD).backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+PRIVATE = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
+
+
+def worker_without_private_api(rank: int, port: int, out_dir: str) -> None:
+    """As if torch had moved FSDP2's private collectives module: importing it fails in this process."""
+    import logging
+    import sys
+
+    sys.modules[PRIVATE] = None  # `import` of it now raises ImportError
+    sys.modules.pop("sfm.distributed.gloo_overlap", None)
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("sfm.distributed.strategies").addHandler(handler)
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=dt.timedelta(seconds=120))
+    results = {}
+    try:
+        for strategy in ("ddp", "fsdp2-full"):
+            model = parallelize.apply_strategy(make_model(), strategy)
+            optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.05)
+            results[strategy] = [train_step(model, optimizer, s, rank, WORLD) for s in range(STEPS + 1)]
+    finally:
+        dist.destroy_process_group()
+    results["messages"] = messages
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@pytest.mark.timeout(300)
+def test_strategies_train_when_the_private_fsdp_api_is_missing(tmp_path):
+    mp.spawn(worker_without_private_api, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    ref_losses, _ = reference_run()
+    for strategy in ("ddp", "fsdp2-full"):
+        assert ranks[0][strategy] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), strategy
+    fallback = [m for m in ranks[0]["messages"] if "not overlapped" in m]
+    assert len(fallback) == 1 and "plain FSDP2" in fallback[0]  # once, for the FSDP2 run only

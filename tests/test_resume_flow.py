@@ -21,7 +21,7 @@ from flowrun import client_view, run_flow
 from safetensors.torch import load_file
 from test_train_resume import assert_close
 
-from sfm import checkpoint
+from sfm.train import checkpoint
 
 MAX_STEPS, EVERY = 60, 5
 JOB_TOML = f"""
@@ -52,10 +52,10 @@ def training_processes(data_root: Path) -> list[int]:
             args = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"sfm.train" not in args:
+        if b"sfm.train.trainer" not in args:
             continue
         try:
-            job = json.loads(Path(args[args.index(b"sfm.train") + 1].decode()).read_text())
+            job = json.loads(Path(args[args.index(b"sfm.train.trainer") + 1].decode()).read_text())
         except (OSError, ValueError, IndexError):
             continue
         if str(job.get("run_root", "")).startswith(str(data_root)):
@@ -142,7 +142,7 @@ def test_killed_pretrain_retries_then_resumes_to_the_uninterrupted_weights(tmp_p
     assert [h["step"] for h in summary["history"]] == list(range(1, MAX_STEPS + 1))
 
     # the same job, uninterrupted, through the same launcher
-    from sfm.launch import free_port, launch_node
+    from sfm.distributed.launch import free_port, launch_node
 
     run_root = Path(summary["model_url"]).parent
     job = {"config": json.loads((run_root / "job_config.json").read_text()), "surveys": view["train_stores"],

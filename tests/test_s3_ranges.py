@@ -1,4 +1,4 @@
-"""sfm.s3_ranges: the loader's blocking ranged GETs, against moto_server, rclone serve s3, and an
+"""sfm.storage.ranged_get: the loader's blocking ranged GETs, against moto_server, rclone serve s3, and an
 HTTP server that answers what S3 servers sometimes do (ignore the range, 503 SlowDown)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from s3_rclone import rclone_s3  # noqa: F401  (fixture)
 from sfm import data
-from sfm.s3_ranges import RangeReadError, S3RangeReader, reachable_directly
+from sfm.storage.ranged_get import RangeReadError, S3RangeReader, reachable_directly
 
 BODY = np.random.default_rng(7).integers(0, 256, size=3_000_001, dtype=np.uint8).tobytes()
 RANGES = [(0, 1), (0, 1 << 20), (1_234_567, 2_500_000), (len(BODY) - 5, len(BODY)), (0, len(BODY))]

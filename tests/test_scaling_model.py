@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from sfm import scaling_model as sm
+from sfm.ops import scaling_model as sm
 
 
 def test_traffic_per_strategy():

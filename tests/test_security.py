@@ -21,9 +21,10 @@ import pytest
 import torch
 from conftest import PROJECT, TEST_ACCESS_KEY, TEST_SECRET_KEY
 
-from sfm import checkpoint, storage
+from sfm import storage
+from sfm.train import checkpoint
 from sfm.errors import SFMError
-from sfm.security import endpoint_problem, is_loopback_host, name_problem, redact
+from sfm.storage.security import endpoint_problem, is_loopback_host, name_problem, redact
 
 # AWS's documented example access key id, assembled here so that secret scanners looking for a
 # committed key (AKIA + 16 characters) do not flag a test fixture
@@ -177,7 +178,7 @@ def _tree(root: Path) -> set[str]:
 
 
 def _ingest_or_refuse(url: str, data_root: str) -> str:
-    from sfm.ingest import ingest_survey
+    from sfm.ingest.survey import ingest_survey
 
     try:
         row = ingest_survey(url, data_root, chunk=32)
@@ -210,7 +211,7 @@ def test_odd_landing_file_names_stay_inside_the_data_root_locally(tmp_path, segy
     outside = [p for p in new if p not in allowed and not p.startswith(tuple(f"{a}/" for a in allowed[1:]))]
     assert not outside, outside
     assert not any(tmp.iterdir()), "temporary files were left behind"
-    from sfm import manifest
+    from sfm.ingest import manifest
 
     rows = manifest.read(str(data))
     # the name is metadata only (paths come from the content hash), with control characters replaced:
@@ -246,7 +247,7 @@ def test_odd_landing_object_names_stay_inside_the_data_root_on_s3(s3_env, segy_d
 
 
 def test_watcher_quarantine_keeps_odd_names_inside_the_data_root(tmp_path, segy_dir):
-    from sfm.watch import LandingFile, quarantine
+    from sfm.ops.watch import LandingFile, quarantine
 
     landing, data = tmp_path / "landing", tmp_path / "data"
     landing.mkdir()

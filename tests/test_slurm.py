@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from conftest import PROJECT, free_port
-from sfm import ingest, synth
-from sfm.cluster import EFA_ENV
+from sfm.ingest import survey as ingest
+from sfm.ingest import synth
+from sfm.ops.cluster import EFA_ENV
 from sfm.config import JobConfig
 from sfm.errors import SFMError
-from sfm.slurm import SbatchOptions, config_toml, expand_hostlist, render_sbatch
+from sfm.ops.slurm import SbatchOptions, expand_hostlist, render_sbatch
 
 P5EN = PROJECT / "configs" / "hyperpod_p5en.toml"
 
@@ -46,7 +47,7 @@ def test_expand_hostlist_like_scontrol():
 
 def test_config_toml_round_trips():
     cfg = JobConfig.from_toml(P5EN, ["train.max_steps=7", "model.patch=[8, 8, 8]"])
-    assert JobConfig.from_dict(tomllib.loads(config_toml(cfg))).to_dict() == cfg.to_dict()
+    assert JobConfig.from_dict(tomllib.loads(cfg.to_toml())).to_dict() == cfg.to_dict()
 
 
 def test_sbatch_refuses_node_local_paths():

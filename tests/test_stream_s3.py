@@ -4,7 +4,7 @@
   neither crashes nor skips nor repeats a batch (compared with the same stream read from the same
   store as a local folder), and the loader did retry.
 - A proxy in front of moto_server resets connections, then throttles (503 SlowDown), while DataLoader
-  worker processes read through sfm.s3_ranges, or through obstore: same result.
+  worker processes read through sfm.storage.ranged_get, or through obstore: same result.
 - A read that keeps failing past ``retry_seconds`` raises one SFMError naming the survey and region.
 """
 
@@ -50,7 +50,7 @@ def test_stream_survives_a_restart_of_rclone_serve_s3(rclone_s3, monkeypatch, tm
     reference.close()
 
     stream = open_stream(url)
-    assert stream.sampler._stores[0].range_reader is not None  # "auto": bricks over sfm.s3_ranges
+    assert stream.sampler._stores[0].range_reader is not None  # "auto": bricks over sfm.storage.ranged_get
     got = take(stream, 3)
     rclone_s3.stop()  # killed mid-stream: open connections reset, new ones refused
     restart = threading.Timer(3.0, rclone_s3.start)

@@ -1,4 +1,4 @@
-"""sfm.train on several gloo ranks under torchrun, as the flow's pretrain step runs it.
+"""sfm.train.trainer on several gloo ranks under torchrun, as the flow's pretrain step runs it.
 
 - ddp on 2 ranks equals one process with the same global batch (loss at every step, final
   weights), and both ranks end with identical weights;
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from test_train_resume import assert_close, final_weights, make_job, make_survey_store
 
-from sfm import checkpoint
-from sfm.launch import free_port
+from sfm.train import checkpoint
+from sfm.distributed.launch import free_port
 
 PROJECT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 10, 5
@@ -50,7 +50,7 @@ def start(job: dict, procs: int, log: Path) -> subprocess.Popen:
     job_path.write_text(json.dumps(job))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={procs}",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
-           "-m", "sfm.train", str(job_path)]
+           "-m", "sfm.train.trainer", str(job_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as fh:
         return subprocess.Popen(cmd, cwd=PROJECT, stdout=fh, stderr=subprocess.STDOUT, env=env)

@@ -1,4 +1,4 @@
-"""Training health in real sfm.train processes, with faults injected through SFM_INJECT_FAULTS:
+"""Training health in real sfm.train.trainer processes, with faults injected through SFM_INJECT_FAULTS:
 
 - NaN batches: each non-finite step is skipped (weights untouched); three in a row roll the run back
   to its last checkpoint; the run still finishes, with the counts in its summary and heartbeat;
@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from test_train_resume import final_weights, make_job, make_survey_store
 
-from sfm import checkpoint, health
+from sfm.train import checkpoint
+from sfm.train import health
 
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +43,7 @@ def start(job: dict, log: Path, faults: str) -> subprocess.Popen:
     job_path.write_text(json.dumps(job))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SFM_INJECT_FAULTS": faults}
     with open(log, "wb") as fh:
-        return subprocess.Popen([sys.executable, "-m", "sfm.train", str(job_path)], cwd=PROJECT, stdout=fh,
+        return subprocess.Popen([sys.executable, "-m", "sfm.train.trainer", str(job_path)], cwd=PROJECT, stdout=fh,
                                 stderr=subprocess.STDOUT, env=env)
 
 

@@ -1,4 +1,4 @@
-"""sfm.train in real processes: a run killed with SIGKILL partway and started again continues from
+"""sfm.train.trainer in real processes: a run killed with SIGKILL partway and started again continues from
 its last checkpoint and ends with exactly the weights and loss history of an uninterrupted run, with
 the run root on local disk or on an S3 server (moto_server over HTTP); an unreadable latest
 checkpoint makes the restarted run fall back to the one before, and it still ends where the
@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from sfm import checkpoint, storage
+from sfm import storage
+from sfm.train import checkpoint
 
 MAX_STEPS, EVERY = 40, 5
 PROJECT = Path(__file__).resolve().parents[1]
@@ -27,8 +28,8 @@ PROJECT = Path(__file__).resolve().parents[1]
 
 def make_survey_store(tmp_path_factory, seed: int) -> str:
     """One small synthetic survey (48 x 48 x 64), ingested into a Zarr store of 32^3 bricks."""
-    from sfm.ingest import ingest_survey
-    from sfm.synth import synth_survey
+    from sfm.ingest.survey import ingest_survey
+    from sfm.ingest.synth import synth_survey
 
     tmp = tmp_path_factory.mktemp("survey")
     synth_survey(str(tmp / "s.sgy"), shape=(48, 48, 64), seed=seed)
@@ -50,12 +51,12 @@ def make_job(store: str, run_root: str) -> dict:
 
 
 def start_training(job: dict, workdir: Path, name: str) -> tuple[subprocess.Popen, Path]:
-    """``python -m sfm.train JOB.json`` as its own process (one rank); returns it and its log file."""
+    """``python -m sfm.train.trainer JOB.json`` as its own process (one rank); returns it and its log file."""
     job_path = workdir / f"{name}.json"
     job_path.write_text(json.dumps(job))
     log = workdir / f"{name}.log"
     with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "sfm.train", str(job_path)], cwd=PROJECT,
+        proc = subprocess.Popen([sys.executable, "-m", "sfm.train.trainer", str(job_path)], cwd=PROJECT,
                                 stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return proc, log
 
@@ -172,7 +173,7 @@ def test_two_ranks_resume_together_when_one_cannot_read_the_latest(survey_store,
     """Two gloo ranks under torchrun. Rank 1's part of the newest checkpoint is unreadable: rank 1
     falls back, rank 0 could read it, and both continue from the older one (never out of step),
     ending with the weights of the uninterrupted two-rank run."""
-    from sfm.launch import free_port, launch_node
+    from sfm.distributed.launch import free_port, launch_node
 
     run_root = tmp_path / "run"
     job = make_job(survey_store, str(run_root))
@@ -188,7 +189,7 @@ def test_two_ranks_resume_together_when_one_cannot_read_the_latest(survey_store,
 
     log = tmp_path / "restart.log"
     with open(log, "w") as fh:
-        proc = subprocess.run([sys.executable, "-c", "import json, sys; from sfm.launch import launch_node; "
+        proc = subprocess.run([sys.executable, "-c", "import json, sys; from sfm.distributed.launch import launch_node; "
                                f"launch_node(json.loads(sys.argv[1]), main_port={free_port()}, **{launch!r})",
                                json.dumps(job)], cwd=PROJECT, stdout=fh, stderr=subprocess.STDOUT, timeout=380)
     text = log.read_text()

@@ -1,4 +1,4 @@
-"""sfm.train_step (the torch-only training step), sfm.hardware, the one-call model loader, and the
+"""sfm.train.step (the torch-only training step), sfm.model.hardware, the one-call model loader, and the
 GPU benchmark's CPU smoke mode (which must not import metaflow, zarr, segyio, boto3 or fsspec)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sfm.hardware import datasheet_peak_flops, matmul_flops
+from sfm.model.hardware import datasheet_peak_flops, matmul_flops
 from sfm.model import build_model, mae_config
-from sfm.train_step import TrainStep, apply_training_options, build_optimizer, lr_at, throughput
+from sfm.train.step import TrainStep, apply_training_options, build_optimizer, lr_at, throughput
 
 PROJECT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
@@ -191,7 +191,7 @@ def test_gpu_benchmark_smoke_runs_with_torch_and_sfm_model_only():
         "sys.argv = ['benchmarks/gpu_train.py', '--smoke', '--configs', 'tiny:32:2']\n"
         "runpy.run_path('benchmarks/gpu_train.py', run_name='__main__')\n"
         "bad = [m for m in ('metaflow', 'zarr', 'segyio', 'boto3', 'botocore', 'fsspec', 's3fs', 'accelerate',"
-        " 'sfm.data', 'sfm.storage') if m in sys.modules]\n"
+        " 'sfm.data', 'sfm.storage.objects') if m in sys.modules]\n"
         "print('IMPORTED:' + ','.join(bad))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=PROJECT, capture_output=True, text=True, timeout=280)

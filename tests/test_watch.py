@@ -18,7 +18,8 @@ from conftest import PROJECT
 from sfm import pipeline, registry, storage
 from sfm.config import JobConfig
 from sfm.errors import SFMError
-from sfm.watch import Lease, schedule_cron, trigger_event
+from sfm.ops.schedule import schedule_cron, trigger_event
+from sfm.ops.watch import Lease
 
 MODEL = "sfm-mae"
 # keeps the watcher's flow run short: a few steps, a small evaluation, no downstream fine-tuning
@@ -50,10 +51,10 @@ def make_champion_root(root: Path | str) -> dict:
     """A data root as a first training would leave it: demo SEG-Y in landing, a training and a held-out
     survey ingested, and a registered champion (a freshly initialised tiny model) whose lineage names the
     held-out survey. demo-train-1 is in landing but not in the manifest: new to the watcher."""
-    from sfm.ingest import ingest_survey
+    from sfm.ingest.survey import ingest_survey
     from sfm.model import build_model
     from sfm.model.io import save
-    from sfm.train import model_config_for
+    from sfm.model import model_config_for
 
     data = str(root)
     plan = pipeline.generate_demo_surveys(data)
@@ -231,13 +232,13 @@ def test_schedule_and_event_come_from_the_config():
 
 
 def test_flow_file_is_where_the_watcher_looks():
-    from sfm.watch import FLOW_FILE
+    from sfm.ops.watch import FLOW_FILE
 
     assert FLOW_FILE == PROJECT / "flows" / "pretrain_flow.py" and FLOW_FILE.exists()
 
 
 def test_a_failed_run_is_blamed_on_the_file_its_error_names():
-    from sfm.watch import LandingFile, attribute_failure
+    from sfm.ops.watch import LandingFile, attribute_failure
 
     files = [LandingFile("/l/a.sgy", "a.sgy", 1, "t"), LandingFile("/l/b.sgy", "b.sgy", 1, "t")]
     stderr = ("2026-11-30 [1/ingest/3] Task is starting.\n"
@@ -251,8 +252,8 @@ def test_a_failed_run_is_blamed_on_the_file_its_error_names():
 
 def test_a_first_survey_waits_for_a_held_out_one(tmp_path, metaflow_env):
     """No champion, one new file, no --held-out: nothing to evaluate on, so the watcher waits (no run)."""
-    from sfm.synth import synth_survey
-    from sfm.watch import WatchOptions, watch_once
+    from sfm.ingest.synth import synth_survey
+    from sfm.ops.watch import WatchOptions, watch_once
 
     landing = tmp_path / "landing"
     landing.mkdir()
@@ -281,7 +282,7 @@ def test_init_from_champion_resolves_and_a_wrong_architecture_is_refused(tmp_pat
 
 
 def test_landing_names_with_commas_reach_the_flow_whole(tmp_path):
-    from sfm.watch import LandingFile, WatchOptions, run_parameters
+    from sfm.ops.watch import LandingFile, WatchOptions, run_parameters
 
     files = [LandingFile("s3://b/landing/north,2019.sgy", "north,2019.sgy", 1, "t"),
              LandingFile("s3://b/landing/south.sgy", "south.sgy", 1, "t")]

@@ -7,13 +7,14 @@
 from .flops import mfu, param_count, preset_table, train_flops_per_sample
 from .io import load, save
 from .mae import MAEConfig, MaskedAutoencoder3D, PatchEmbed3D, sincos_pos_embed_3d
-from .presets import PRESETS, build_model, mae_config
+from .presets import PRESETS, build_model, mae_config, model_config_for
 
 __all__ = [
     "MAEConfig",
     "MaskedAutoencoder3D",
     "PatchEmbed3D",
     "mae_config",
+    "model_config_for",
     "build_model",
     "PRESETS",
     "load",

@@ -36,5 +36,24 @@ def mae_config(name: str, **overrides) -> MAEConfig:
     return MAEConfig(**{**PRESETS[name], **overrides})
 
 
+def model_config_for(cfg) -> MAEConfig:
+    """The MAEConfig a job (``sfm.config.JobConfig``) trains: the preset, at the job's crop, masking,
+    patch and decoder size. A setting no model can have raises SFMError (the user's to fix)."""
+    from sfm.errors import SFMError
+
+    m = cfg.model
+    overrides: dict = {"crop": tuple(cfg.data.crop), "mask_ratio": m.mask_ratio, "mask_tube": m.mask_tube}
+    if m.patch:
+        overrides["patch"] = tuple(m.patch)
+    if m.decoder_depth:
+        overrides["decoder_depth"] = m.decoder_depth
+    if m.decoder_embed_dim:
+        overrides["decoder_embed_dim"] = m.decoder_embed_dim
+    try:
+        return mae_config(m.preset, **overrides)
+    except ValueError as err:
+        raise SFMError(f"[model]/[data] settings do not make a model: {err}") from None
+
+
 def build_model(cfg: MAEConfig) -> MaskedAutoencoder3D:
     return MaskedAutoencoder3D(cfg)

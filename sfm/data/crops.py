@@ -1,0 +1,325 @@
+"""Sample index to crop: :class:`CropSampler`.
+
+Sample ``i`` is a pure function of ``(seed, epoch, i)``: its survey (weighted by live volume), its
+origin (optionally on the brick grid, so a crop reads whole bricks and nothing else), its
+augmentation, and hence its values. Origins are drawn uniformly among those whose live
+(``trace_mask``) fraction is at least ``min_live_fraction`` (found once, from a summed-area table), so
+no crop under it appears. Values are normalised per survey from the stored statistics: clipped to the
+0.1/99.9 percentiles, then standardised with the stored mean and std; dead traces are 0. A crop is
+read as brick-aligned tiles on a thread pool, each tile normalised straight into its place in the
+output batch, so many ranged reads are in flight at once and a 1024^3 crop never exists twice in
+memory.
+"""
+
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterable, NamedTuple
+
+import numpy as np
+
+from sfm.data.bricks import BrickReader
+from sfm.config import ALIGNMENTS, AUGMENTATIONS
+from sfm.errors import SFMError
+
+from sfm.data.store import open_survey_store, ResilientStore
+from sfm.data.survey import SurveyInfo, read_survey_info
+
+log = logging.getLogger(__name__)
+
+
+_TILE_VOXELS = 1 << 22  # largest tile read in one zarr call (16 MiB of float32)
+
+class Crop(NamedTuple):
+    """Where sample ``i`` comes from. The source region is ``origin + extent`` of survey ``survey``;
+    the crop is that region flipped along inline/crossline as drawn, then transposed if ``swap``."""
+
+    survey: int
+    origin: tuple[int, int, int]
+    extent: tuple[int, int, int]
+    flip_inline: bool = False
+    flip_crossline: bool = False
+    swap: bool = False
+
+    def slab(self, start: int, stop: int) -> "Crop":
+        """The crop whose voxels are rows ``[start, stop)`` (axis 0) of this crop as delivered.
+
+        Row ``r`` of the delivered crop is source inline ``r`` (crossline ``r`` when swapped) from the
+        origin, or the mirrored one ``n - 1 - r`` when that source axis is flipped; so the rows come
+        from one contiguous source range, and the sub-box with the same flips and swap delivers them.
+        """
+        axis = 1 if self.swap else 0
+        n = self.extent[axis]
+        if not 0 <= start < stop <= n:
+            raise ValueError(f"slab [{start}, {stop}) is not a range of rows of a crop with {n}")
+        flipped = self.flip_crossline if self.swap else self.flip_inline
+        lo = n - stop if flipped else start
+        origin, extent = list(self.origin), list(self.extent)
+        origin[axis] += lo
+        extent[axis] = stop - start
+        return self._replace(origin=tuple(origin), extent=tuple(extent))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(D, H, W) of the crop as delivered."""
+        d, h, w = self.extent
+        return (h, d, w) if self.swap else (d, h, w)
+
+
+def brick_tiles(origin: tuple[int, ...], extent: tuple[int, ...], bricks: tuple[int, ...],
+                max_voxels: int | None = None) -> list[tuple[tuple[int, int], ...]]:
+    """Split a region into tiles along brick boundaries, each at most ``max_voxels`` (default
+    ``_TILE_VOXELS``) where possible.
+
+    Returns ``[((a0, a1), (b0, b1), (c0, c1)), ...]`` relative to ``origin``. Tiles share no brick,
+    so reading them concurrently fetches nothing twice.
+    """
+    max_voxels = max_voxels or _TILE_VOXELS
+
+    def split(box):
+        size = [hi - lo for lo, hi in box]
+        if int(np.prod(size)) <= max_voxels:
+            return [box]
+        for axis in np.argsort(size)[::-1]:
+            lo, hi = box[axis]
+            mid_abs = origin[axis] + (lo + hi) // 2
+            cut = int(round(mid_abs / bricks[axis])) * bricks[axis] - origin[axis]
+            if lo < cut < hi:
+                left, right = list(box), list(box)
+                left[axis], right[axis] = (lo, cut), (cut, hi)
+                return split(tuple(left)) + split(tuple(right))
+        return [box]
+
+    return split(tuple((0, int(n)) for n in extent))
+
+
+class CropSampler:
+    """Random crops [1, D, H, W] float32 from a set of survey stores.
+
+    Args:
+        store_urls: survey stores (local paths or s3:// URLs).
+        crop: (D, H, W) voxels along (inline, crossline, sample), from 32^3 to 1024^3 and beyond.
+        seed, epoch: the stream; sample ``i`` is a pure function of ``(seed, epoch, i)``.
+        min_live_fraction: crops whose fraction of live traces is below this are never returned.
+        read_threads: crops (tiles of large crops) read at once; each read fetches its bricks
+            concurrently, so about ``read_threads * bricks per tile`` requests are in flight.
+        align: "voxel" (any origin) or "brick" (origins on the brick grid: an aligned crop that is a
+            multiple of the brick reads exactly its own voxels).
+        augment: any of "flip_inline", "flip_crossline", "swap" (swap inline/crossline; only drawn
+            when the crop's D == H, otherwise the crop's shape would change).
+        client, retry_seconds: see :func:`open_survey_store`.
+        brick_reader: read through :mod:`sfm.data.bricks` where the store layout allows (a third less CPU
+            than zarr's read path); False: always through zarr.
+        slab: ``(start, stop)``: read and return only rows ``[start, stop)`` of axis 0 of each crop
+            as delivered (after flips and swap), [1, stop - start, H, W], fetching only the bricks
+            those rows need. The crops themselves (``locate``) do not change, so the context-parallel
+            ranks of a group, each with its own slab (:func:`sfm.distributed.context_parallel.crop_slab`), read
+            disjoint parts of the same crops. None: the whole crop.
+    """
+
+    def __init__(self, store_urls: list[str], crop: tuple[int, int, int], seed: int = 0,
+                 min_live_fraction: float = 0.5, read_threads: int = 8, *, epoch: int = 0, align: str = "voxel",
+                 augment: Iterable[str] = (), client: str = "auto", retry_seconds: float = 120.0,
+                 brick_reader: bool = True, slab: tuple[int, int] | None = None):
+        if not store_urls:
+            raise SFMError("no survey stores to read; ingest at least one survey")
+        self.crop = tuple(int(c) for c in crop)
+        if len(self.crop) != 3 or min(self.crop) < 1:
+            raise SFMError(f"data.crop = {list(crop)} is not a crop shape; give 3 positive sizes, e.g. [64, 64, 64]")
+        if align not in ALIGNMENTS:
+            raise SFMError(f"data.align = {align!r} is not an alignment; use one of {', '.join(ALIGNMENTS)}")
+        augment = tuple(a for a in augment if a)
+        unknown = [a for a in augment if a not in AUGMENTATIONS]
+        if unknown:
+            raise SFMError(f"data.augment has unknown augmentation(s) {', '.join(unknown)}; valid: "
+                           f"{', '.join(AUGMENTATIONS)}")
+        if not 0.0 <= float(min_live_fraction) <= 1.0:
+            raise SFMError(f"data.min_live_fraction = {min_live_fraction} must lie in [0, 1]")
+        self.seed, self.epoch = int(seed), int(epoch)
+        self.min_live_fraction = float(min_live_fraction)
+        self.read_threads = max(1, int(read_threads))
+        self.align = align
+        self.augment = augment
+        self.swap_allowed = "swap" in augment and self.crop[0] == self.crop[1]
+        if slab is not None:
+            slab = (int(slab[0]), int(slab[1]))
+            if not 0 <= slab[0] < slab[1] <= self.crop[0]:
+                raise SFMError(f"slab {list(slab)} is not a range of the crop's {self.crop[0]} inline rows")
+        self.slab = slab
+        # what one read delivers: the slab's rows of the crop, or all of it
+        self.shape = self.crop if slab is None else (slab[1] - slab[0], *self.crop[1:])
+        self.client, self.retry_seconds = client, float(retry_seconds)
+        self.brick_reader = bool(brick_reader)
+        self._stores: list[ResilientStore] = []
+        self._arrays: list[Any] = []
+        infos = []
+        for url in store_urls:
+            store = open_survey_store(url, client, retry_seconds)
+            info, amp = read_survey_info(url, store)
+            infos.append(info)
+            self._stores.append(store)
+            self._arrays.append(amp)
+        fits = [all(n >= c for n, c in zip(s.shape, self.crop)) for s in infos]
+        if not any(fits):
+            shapes = ", ".join(f"{s.store_url}: {s.shape}" for s in infos)
+            raise SFMError(f"every survey is smaller than the crop {self.crop} ({shapes}); set data.crop smaller")
+        self.surveys = [s for s, ok in zip(infos, fits) if ok]
+        self._stores = [s for s, ok in zip(self._stores, fits) if ok]
+        self._arrays = [a for a, ok in zip(self._arrays, fits) if ok]
+        self._readers = self._brick_readers()
+        d, h, _ = self.crop
+        self.origins = [s.crop_origins(d, h, self.min_live_fraction, self._step(s)[:2]) for s in self.surveys]
+        live = np.array([s.trace_mask.sum() * s.shape[2] * (o.count > 0) for s, o in zip(self.surveys, self.origins)],
+                        dtype=np.float64)
+        if live.sum() == 0:
+            raise SFMError(f"no crop of {self.crop} has at least {self.min_live_fraction:.0%} live traces in any "
+                           "survey; lower data.min_live_fraction or use a smaller crop")
+        self.weights = live / live.sum()  # surveys weighted by live volume
+        self._pid = os.getpid()
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    # ---- processes: the live handles are reopened in each process that reads ----------------
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.update(_stores=[], _arrays=[], _readers=[], _pool=None, _lock=None, _pid=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _ensure_open(self) -> None:
+        """(Re)open stores and the thread pool in this process: clients do not survive a fork."""
+        if self._pid == os.getpid() and self._arrays:
+            return
+        import zarr
+
+        with self._lock:
+            if self._pid == os.getpid() and self._arrays:
+                return
+            self._stores, self._arrays = [], []
+            for s in self.surveys:
+                store = open_survey_store(s.store_url, self.client, self.retry_seconds)
+                try:
+                    self._arrays.append(zarr.open_group(store, mode="r")["amplitude"])
+                except Exception as err:
+                    raise SFMError(f"cannot reopen survey store {s.store_url}: {type(err).__name__}: {err}; check "
+                                   "the S3 endpoint is reachable") from err
+                self._stores.append(store)
+            self._readers = self._brick_readers()
+            self._pool = None
+            self._pid = os.getpid()
+
+    def _brick_readers(self) -> list[BrickReader | None]:
+        return [BrickReader.for_array(a) if self.brick_reader else None for a in self._arrays]
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        self._ensure_open()
+        if self._pool is None:  # first use, or reading again after close()
+            for store in self._stores:
+                store.closed = False
+            self._pool = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="sfm-read")
+        return self._pool
+
+    def fetch_stats(self) -> dict[str, int]:
+        """Bytes, requests and retries this process has fetched from storage so far."""
+        return {k: sum(getattr(s, k) for s in self._stores) for k in ("bytes_fetched", "requests", "retries")}
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    # ---- where sample i comes from -------------------------------------------------------------
+    def locate(self, index: int) -> Crop:
+        """The :class:`Crop` of sample ``index``: a pure function of (seed, epoch, index)."""
+        rng = np.random.default_rng([self.seed, self.epoch, int(index)])
+        k = int(rng.choice(len(self.surveys), p=self.weights))
+        s, origins = self.surveys[k], self.origins[k]
+        i0, j0 = origins.pick(int(rng.integers(0, origins.count)))
+        a = self._step(s)[2]
+        t0 = int(rng.integers(0, (s.shape[2] - self.crop[2]) // a + 1)) * a
+        swap, flip_il, flip_xl = (bool(v) for v in rng.integers(0, 2, size=3))
+        return Crop(k, (i0, j0, t0), self.crop, "flip_inline" in self.augment and flip_il,
+                    "flip_crossline" in self.augment and flip_xl, self.swap_allowed and swap)
+
+    def _step(self, s: SurveyInfo) -> tuple[int, int, int]:
+        return s.bricks if self.align == "brick" else (1, 1, 1)
+
+    # ---- reading -------------------------------------------------------------------------------
+    def submit(self, index: int, out: np.ndarray) -> list[Future]:
+        """Start reading sample ``index`` (its slab, if set) into ``out`` [1, *shape] (or ``shape``)
+        float32; one future per tile."""
+        c = self.locate(index)
+        if self.slab is not None:
+            c = c.slab(*self.slab)
+        s = self.surveys[c.survey]
+        if out.size != int(np.prod(self.shape)) or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be contiguous float32 holding {self.shape}, got {out.dtype} {out.shape}")
+        view = out.reshape(c.shape)  # a view, since out is contiguous
+        if c.swap:  # view[i, j, t] addresses the source voxel (origin + (i, j, t))
+            view = view.transpose(1, 0, 2)
+        view = view[:: -1 if c.flip_inline else 1, :: -1 if c.flip_crossline else 1]
+        full = s.live_traces(c.origin[0], c.origin[1], c.extent[0], c.extent[1]) == c.extent[0] * c.extent[1]
+        pool = self.pool
+        # a blocking range reader reads a tile's bricks one after another: one brick per tile keeps
+        # read_threads requests in flight
+        per_brick = self._stores[c.survey].range_reader is not None
+        tiles = brick_tiles(c.origin, c.extent, s.bricks, int(np.prod(s.bricks)) if per_brick else None)
+        return [pool.submit(self._read_tile, c, tile, view, full) for tile in tiles]
+
+    def _read_tile(self, c: Crop, tile, view: np.ndarray, full: bool) -> None:
+        s = self.surveys[c.survey]
+        (a0, a1), (b0, b1), (t0, t1) = tile
+        i0, j0, k0 = c.origin
+        region = (slice(i0 + a0, i0 + a1), slice(j0 + b0, j0 + b1), slice(k0 + t0, k0 + t1))
+        dst = view[a0:a1, b0:b1, t0:t1]
+        reader = self._readers[c.survey]
+        try:
+            if reader is not None:
+                reader.read_into(region, dst, s.normalise_into)
+            else:
+                s.normalise_into(self._arrays[c.survey][region], dst)
+        except Exception as err:
+            axes = ("inline", "crossline", "sample")
+            where = ", ".join(f"{name} {r.start}:{r.stop}" for name, r in zip(axes, region))
+            raise SFMError(f"reading survey {s.name} ({s.store_url}) region [{where}] (indices) failed: "
+                           f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}; check the store "
+                           f"is reachable (transient failures were retried for {self.retry_seconds:.0f} s)") from err
+        if not full:
+            dst *= s.trace_mask[i0 + a0 : i0 + a1, j0 + b0 : j0 + b1, None]
+
+    def read(self, index: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Sample ``index`` as float32 [1, *shape] ([1, D, H, W] without a slab), normalised."""
+        out = np.empty((1, *self.shape), dtype=np.float32) if out is None else out
+        wait_all(self.submit(index, out))
+        return out
+
+    def read_many(self, indices: list[int], out: np.ndarray | None = None) -> np.ndarray:
+        """Samples [len(indices), 1, *shape], read concurrently."""
+        out = np.empty((len(indices), 1, *self.shape), dtype=np.float32) if out is None else out
+        wait_all([f for n, i in enumerate(indices) for f in self.submit(i, out[n])])
+        return out
+
+    def close(self) -> None:
+        """Stop reading: queued reads are dropped, running ones stop retrying."""
+        for store in self._stores:
+            store.closed = True
+        if self._pool is not None and self._pid == os.getpid():
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = None
+
+
+def wait_all(futures: list[Future]) -> None:
+    """Wait for all; on the first failure cancel the rest and raise it."""
+    try:
+        for f in futures:
+            f.result()
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise

@@ -1,0 +1,263 @@
+"""Batches for training: :class:`CropDataset` (one rank's stream) and :class:`BatchStream` (the loader).
+
+- :class:`CropDataset` (a torch ``IterableDataset``) is one rank's stream of batches
+  ``[B, 1, D, H, W]``. Batch ``b`` of rank ``r`` holds samples ``(b * world_size + r) * B + [0, B)``;
+  DataLoader worker ``w`` of ``n`` makes batches ``start + w, start + w + n, ...``, which the
+  DataLoader hands out in order. So ranks and workers never share a sample, the sequence a rank sees
+  does not depend on the number of workers, and a position is just ``(epoch, batch)``.
+- :class:`BatchStream` is the loader a training loop consumes: a DataLoader over the dataset (worker
+  processes, pinned memory when CUDA is present) with ``state_dict()`` / ``load_state_dict()`` for
+  exact resume. :func:`training_stream` builds one from ``JobConfig.data``.
+"""
+
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import sys
+from concurrent.futures import Future
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from sfm.errors import SFMError
+
+from sfm.data.crops import CropSampler, wait_all
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# batches for one rank, split across DataLoader workers
+
+
+class CropDataset(IterableDataset):
+    """One rank's stream of batches, float32 tensors [B, 1, D, H, W] (use ``DataLoader(batch_size=None)``);
+    [B, 1, stop - start, H, W] when the sampler reads a slab. ``rank`` and ``world_size`` are the
+    data-parallel ones: the context-parallel ranks of a group share them and differ in the slab.
+
+    Batch ``b`` holds samples ``(b * world_size + rank) * batch_size + [0, batch_size)`` of the
+    sampler's ``(seed, epoch)`` stream. Iteration starts at ``start_batch`` and, if ``num_batches``
+    is set, ends before batch ``num_batches`` (one epoch); otherwise it never ends. Under a DataLoader
+    with ``n`` workers, worker ``w`` makes batches ``start_batch + w + k * n``; the DataLoader
+    returns them in order, so the sequence is the same for any ``n``.
+
+    Each worker keeps ``prefetch`` batches reading ahead of the one it hands over.
+    """
+
+    def __init__(self, sampler: CropSampler, batch_size: int, rank: int = 0, world_size: int = 1, *,
+                 start_batch: int = 0, num_batches: int | None = None, prefetch: int = 2):
+        super().__init__()
+        if batch_size < 1:
+            raise SFMError(f"data.batch_size = {batch_size} must be at least 1")
+        if not 0 <= rank < world_size:
+            raise SFMError(f"rank {rank} is outside a world of {world_size} processes")
+        self.sampler = sampler
+        self.batch_size, self.rank, self.world_size = int(batch_size), int(rank), int(world_size)
+        self.start_batch = int(start_batch)
+        self.num_batches = None if num_batches is None else int(num_batches)
+        self.prefetch = max(0, int(prefetch))
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def sample_indices(self, batch: int) -> range:
+        first = (batch * self.world_size + self.rank) * self.batch_size
+        return range(first, first + self.batch_size)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch": self.start_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.set_epoch(int(state.get("epoch", 0)))
+        self.start_batch = int(state["batch"])
+
+    def worker_batches(self, worker: int = 0, workers: int = 1) -> Iterable[int]:
+        """The batch numbers DataLoader worker ``worker`` of ``workers`` makes, in order."""
+        first = self.start_batch + worker
+        if self.num_batches is None:
+            return itertools.count(first, workers)
+        return range(first, self.num_batches, workers)
+
+    def _start(self, batch: int, buffers: "_BatchBuffers | None") -> tuple[torch.Tensor, list[Future]]:
+        shape = (self.batch_size, 1, *self.sampler.shape)
+        if buffers is None:  # a worker's batch goes to the main process by handle, not by copy
+            out = _shared_empty(shape)
+        else:
+            out = torch.from_numpy(buffers.take())
+        arr = out.numpy()
+        futures = [f for n, i in enumerate(self.sample_indices(batch)) for f in self.sampler.submit(i, arr[n])]
+        return out, futures
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        pending: collections.deque = collections.deque()
+        buffers = None if info is not None else _BatchBuffers((self.batch_size, 1, *self.sampler.shape),
+                                                              keep=self.prefetch + 4)
+        try:
+            for batch in self.worker_batches(worker, workers):
+                pending.append(self._start(batch, buffers))
+                if len(pending) > self.prefetch:
+                    out, futures = pending.popleft()
+                    wait_all(futures)
+                    yield out
+            while pending:
+                out, futures = pending.popleft()
+                wait_all(futures)
+                yield out
+        finally:
+            for _, futures in pending:
+                for f in futures:
+                    f.cancel()
+
+
+def _shared_empty(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised float32 tensor in shared memory. ``torch.empty().share_memory_()`` would
+    allocate private memory and copy it over: 2.3 against 1.5 s of CPU per GB in page faults."""
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is None:
+        return torch.empty(shape, dtype=torch.float32).share_memory_()
+    return torch.empty(0, dtype=torch.float32).set_(new_shared(4 * int(np.prod(shape)))).view(shape)
+
+
+class _BatchBuffers:
+    """Batch arrays for one in-process stream, each reused once no tensor is left that uses it.
+
+    A fresh 64 MB batch costs the kernel a page fault and a zeroed page per 4 KiB on first touch:
+    0.75 s of CPU per GB delivered, a fifth of the loader's CPU (benchmarks/stream.py). A batch is
+    handed out as ``torch.from_numpy(array)``: every tensor and view of it keeps the array alive
+    through their shared storage, so the array's reference count says when it is free again. At
+    most ``keep`` arrays are kept; past that (a consumer holding many batches) arrays are fresh.
+    """
+
+    def __init__(self, shape: tuple[int, ...], keep: int):
+        self.shape, self.keep = shape, keep
+        self.arrays: list[np.ndarray] = []
+
+    def take(self) -> np.ndarray:
+        for n in range(len(self.arrays)):
+            if sys.getrefcount(self.arrays[n]) == 2:  # the list's reference and the call's: free
+                return self.arrays[n]
+        array = np.empty(self.shape, dtype=np.float32)
+        if len(self.arrays) < self.keep:
+            self.arrays.append(array)
+        return array
+
+
+# --------------------------------------------------------------------------------------------
+# the loader a training loop consumes
+
+
+class BatchStream:
+    """``next(stream)`` -> float32 tensor [B, 1, D, H, W] ([B, 1, stop - start, H, W] for a slab),
+    pinned when CUDA is present.
+
+    A DataLoader over a :class:`CropDataset` with ``workers`` processes (0: read in this process on
+    the sampler's threads). Workers are started with ``forkserver``: S3 clients (obstore's runtime,
+    aiohttp sessions) do not survive a fork of a process that has used them.
+
+    ``state_dict()`` is ``{"epoch", "batch", ...}``, the next batch this stream will return;
+    ``load_state_dict`` continues from there, with exactly the batches an uninterrupted stream
+    would have returned, whatever the number of workers.
+    """
+
+    def __init__(self, dataset: CropDataset, workers: int = 0, pin_memory: bool | None = None):
+        self.dataset = dataset
+        self.workers = max(0, int(workers))
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self.batch = dataset.start_batch
+        self._iter = None
+
+    @property
+    def sampler(self) -> CropSampler:
+        return self.dataset.sampler
+
+    def _loader(self):
+        kwargs: dict[str, Any] = {}
+        if self.workers:
+            import functools
+            import multiprocessing
+
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(["sfm.data.loader"])
+            kwargs = {"multiprocessing_context": ctx, "prefetch_factor": 2,
+                      "worker_init_fn": functools.partial(_adopt_environment, dict(os.environ))}
+        return torch.utils.data.DataLoader(self.dataset, batch_size=None, num_workers=self.workers,
+                                           pin_memory=self.pin_memory, **kwargs)
+
+    def __iter__(self) -> "BatchStream":
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._iter is None:
+            self.dataset.start_batch = self.batch
+            self._iter = iter(self._loader())
+        try:
+            out = next(self._iter)
+        except StopIteration:
+            self._iter = None
+            raise
+        except SFMError as err:  # from a worker: the message carries the worker's traceback; keep the error
+            raise SFMError(str(err).rsplit("SFMError: ", 1)[-1]) from None
+        self.batch += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.dataset.epoch, "batch": self.batch, "seed": self.sampler.seed,
+                "rank": self.dataset.rank, "world_size": self.dataset.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at ``state["batch"]`` of ``state["epoch"]`` (restarts the workers if running)."""
+        if "seed" in state and int(state["seed"]) != self.sampler.seed:
+            raise SFMError(f"the saved data position is for seed {state['seed']}, this stream has seed "
+                           f"{self.sampler.seed}; resume with the same data.seed")
+        self._shutdown()
+        self.dataset.set_epoch(int(state.get("epoch", 0)))
+        self.batch = int(state["batch"] if "batch" in state else state["step"])  # "step": older checkpoints
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` at its first batch."""
+        self.load_state_dict({"epoch": epoch, "batch": 0})
+
+    def _shutdown(self) -> None:
+        it, self._iter = self._iter, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+    def close(self) -> None:
+        self._shutdown()
+        self.sampler.close()
+
+
+def _adopt_environment(environ: dict[str, str], worker_id: int) -> None:
+    """Give a worker the environment of the process that started it (S3 endpoint, credentials), as a
+    spawned process would have: forkserver children inherit the server's, fixed when it started."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def training_stream(store_urls: list[str], data_cfg, rank: int = 0, world_size: int = 1,
+                    start_batch: int = 0, slab: tuple[int, int] | None = None) -> BatchStream:
+    """The :class:`BatchStream` data-parallel rank ``rank`` of ``world_size`` trains on, configured by
+    ``JobConfig.data``. Under context parallelism every cp rank of a dp group passes the group's dp
+    rank and its own ``slab`` (``(s.start, s.stop)`` of :func:`sfm.distributed.context_parallel.crop_slab`): the
+    group trains on the same crops, each rank reading only its rows of them."""
+    sampler = CropSampler(
+        store_urls, tuple(data_cfg.crop), seed=data_cfg.seed, min_live_fraction=data_cfg.min_live_fraction,
+        read_threads=data_cfg.read_threads, align=data_cfg.align,
+        augment=[a.strip() for a in data_cfg.augment.split(",")], client=data_cfg.client,
+        retry_seconds=data_cfg.retry_seconds, slab=slab,
+    )
+    dataset = CropDataset(sampler, data_cfg.batch_size, rank, world_size, start_batch=start_batch,
+                          prefetch=data_cfg.prefetch)
+    return BatchStream(dataset, workers=data_cfg.workers)

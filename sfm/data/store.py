@@ -1,0 +1,209 @@
+"""Opening a survey's zarr store for reading, local or s3://: :class:`ResilientStore` and :func:`open_survey_store`.
+
+:class:`ResilientStore` wraps the zarr store of a survey (obstore or s3fs on S3, the local filesystem
+otherwise): transient failures (connection reset or refused, 5xx, throttling, timeouts) are retried
+with exponential backoff and jitter for up to ``retry_seconds``; it counts the bytes and requests it
+fetched. Nothing is copied to local disk.
+"""
+
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import threading
+import time
+
+import numpy as np
+from zarr.storage import WrapperStore
+
+from sfm import storage
+from sfm.storage import clients
+from sfm.config import CLIENTS
+from sfm.errors import SFMError
+from sfm.storage.ranged_get import RangeReadError, S3RangeReader, reachable_directly
+
+
+log = logging.getLogger(__name__)
+
+
+
+# --------------------------------------------------------------------------------------------
+# the store: retries, byte counts, the S3 client
+
+
+def is_transient(err: BaseException) -> bool:
+    """True for failures worth retrying: connection resets/refusals, timeouts, 5xx and throttling.
+
+    Missing objects, denied access, bad arguments and a server that cannot serve byte ranges are
+    permanent: retrying cannot fix them. Classified by the client's status and error code
+    (:func:`sfm.storage.clients.is_transient`), by type for the rest.
+    """
+    if isinstance(err, RangeReadError):
+        return err.transient
+    if isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError,
+                        TypeError, KeyError, IndexError, AttributeError, NotImplementedError, MemoryError,
+                        SFMError)):
+        return False
+    if _range_unsupported(err):
+        return False
+    return clients.is_transient(err)
+
+
+_SMALL_READS_KEPT = 4096
+_SMALL_READ_BYTES = 64 << 10
+
+
+def _index_sized(byte_range) -> bool:
+    """True for a range read the size of a shard index: at most 64 KiB, at the start or the end."""
+    from zarr.abc.store import RangeByteRequest, SuffixByteRequest
+
+    if isinstance(byte_range, RangeByteRequest):
+        return byte_range.start == 0 and byte_range.end <= _SMALL_READ_BYTES
+    return isinstance(byte_range, SuffixByteRequest) and byte_range.suffix <= _SMALL_READ_BYTES
+
+
+def _range_unsupported(err: BaseException) -> bool:
+    """obstore refuses a 200 answer to a ranged GET (rclone serve s3 sends one)."""
+    return "NotPartial" in str(err) or "non-partial response" in str(err)
+
+
+class ResilientStore(WrapperStore):
+    """A zarr store wrapper: retries transient read failures with backoff; counts what it fetched.
+
+    Args:
+        store: the zarr store to read through.
+        label: names the survey in log lines.
+        retry_seconds: how long a read may keep failing before the error is raised.
+        fallback: makes a replacement store when this one's client cannot do ranged reads against
+            this server (obstore against ``rclone serve s3``); reads continue on the replacement.
+    """
+
+    def __init__(self, store, label: str = "", retry_seconds: float = 120.0, fallback=None):
+        super().__init__(store)
+        self.label = label
+        self.retry_seconds = float(retry_seconds)
+        self.fallback = fallback
+        self.bytes_fetched = 0
+        self.requests = 0
+        self.retries = 0
+        self.closed = False  # set by CropSampler.close: reads still running stop retrying
+        self._count_lock = threading.Lock()
+        # bricks: blocking ranged GETs on the reading thread (sfm.storage.ranged_get), keys under range_prefix;
+        # None: every read goes through the zarr store
+        self.range_reader: S3RangeReader | None = None
+        self.range_prefix = ""
+        # shard indexes (a small range at the start or end of a shard object): published stores never
+        # change, so each is fetched once instead of once per crop
+        self._small_reads: collections.OrderedDict = collections.OrderedDict()
+
+    def _with_store(self, store):
+        clone = type(self)(store, self.label, self.retry_seconds, self.fallback)
+        clone.range_reader, clone.range_prefix = self.range_reader, self.range_prefix
+        return clone
+
+    async def _retrying(self, call):
+        deadline = time.monotonic() + self.retry_seconds
+        attempt = 0
+        while True:
+            store = self._store
+            try:
+                return await call(store)
+            except Exception as err:
+                if _range_unsupported(err) and (store is not self._store or self.fallback is not None):
+                    if store is self._store:  # the first read to find out switches; the others just retry
+                        log.warning("%s: the server cannot serve byte ranges to this client (%s); reading "
+                                    "through the fallback client", self.label, type(store).__name__)
+                        self._store, self.fallback = self.fallback(), None
+                    continue
+                attempt += 1
+                await asyncio.sleep(self._retry_delay(err, attempt, deadline))
+
+    def _retry_delay(self, err: Exception, attempt: int, deadline: float) -> float:
+        """Seconds to wait before retry ``attempt`` (1, 2, ...) after ``err``; re-raises ``err`` when it
+        is permanent, the deadline has passed or the store was closed."""
+        now = time.monotonic()
+        if not is_transient(err) or now >= deadline or self.closed:
+            raise err
+        self.retries += 1
+        if attempt == 1:
+            log.warning("%s: transient read failure (%s: %s); retrying for up to %.0f s", self.label,
+                        type(err).__name__, str(err).splitlines()[0][:600] if str(err) else "", deadline - now)
+        delay = min(5.0, 0.05 * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+        return min(delay, max(0.0, deadline - now))
+
+    def read_range_into(self, key: str, start: int, end: int, out: np.ndarray) -> np.ndarray | None:
+        """Blocking, on the calling thread: bytes ``[start, end)`` of ``key`` (relative to this store) as
+        a view of the uint8 buffer ``out`` through :attr:`range_reader`; None when the object does not
+        exist. Retried and counted like :meth:`get`."""
+        deadline = time.monotonic() + self.retry_seconds
+        attempt = 0
+        while True:
+            try:
+                got = self.range_reader.read_into(self.range_prefix + key, start, end, out)
+                break
+            except Exception as err:
+                attempt += 1
+                time.sleep(self._retry_delay(err, attempt, deadline))
+        self._count(got)
+        return got
+
+    def _count(self, buf) -> None:
+        with self._count_lock:
+            self.requests += 1
+            if buf is not None:
+                self.bytes_fetched += len(buf)
+
+    async def get(self, key, prototype, byte_range=None):
+        small = _index_sized(byte_range)
+        if small:
+            hit = self._small_reads.get((key, byte_range))
+            if hit is not None:
+                self._small_reads.move_to_end((key, byte_range))
+                return hit
+        buf = await self._retrying(lambda s: s.get(key, prototype, byte_range))
+        self._count(buf)
+        if small and buf is not None:
+            self._small_reads[(key, byte_range)] = buf
+            if len(self._small_reads) > _SMALL_READS_KEPT:
+                self._small_reads.popitem(last=False)
+        return buf
+
+    async def get_partial_values(self, prototype, key_ranges):
+        key_ranges = list(key_ranges)
+        bufs = await self._retrying(lambda s: s.get_partial_values(prototype, key_ranges))
+        for buf in bufs:
+            self._count(buf)
+        return bufs
+
+
+def open_survey_store(store_url: str, client: str = "auto", retry_seconds: float = 120.0) -> ResilientStore:
+    """The zarr store to read survey ``store_url`` through (see :class:`ResilientStore`).
+
+    ``client`` (S3 only; local paths ignore it):
+
+    - "http": bricks by :class:`sfm.storage.ranged_get.S3RangeReader` (ranged GETs into the reading thread's
+      buffer: the least CPU per GB), metadata and shard indexes as "auto" reads them;
+    - "obstore" (Rust) or "fsspec" (s3fs): everything through that client;
+    - "auto": "http" unless a proxy is configured for the endpoint; the rest through obstore when
+      installed, falling back to s3fs when the server cannot serve byte ranges to obstore.
+    """
+    if client not in CLIENTS:
+        raise SFMError(f"data.client = {client!r} is not a client; use one of {', '.join(CLIENTS)}")
+    url = storage.normalize(store_url)
+    if not storage.is_s3(url):
+        return ResilientStore(storage.zarr_store(url, read_only=True), url, retry_seconds)
+    if client == "obstore" and not clients.obstore_available():
+        raise SFMError("data.client = 'obstore' but obstore is not installed; pip install obstore or use 'auto'")
+    if client == "fsspec" or (client != "obstore" and not clients.obstore_available()):
+        store = ResilientStore(clients.s3fs_zarr_store(url, short_retries=True), url, retry_seconds)
+    else:
+        fallback = (lambda: clients.s3fs_zarr_store(url, short_retries=True)) if client != "obstore" else None
+        store = ResilientStore(clients.obstore_zarr_store(url), url, retry_seconds, fallback)
+    if client == "http" or (client == "auto" and reachable_directly(storage.s3_endpoint_url())):
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        store.range_reader = clients.range_reader(bucket)
+        store.range_prefix = prefix.rstrip("/") + "/" if prefix else ""
+    return store

@@ -1,0 +1,112 @@
+"""What the crop sampler knows of one survey: :class:`SurveyInfo` (shape, bricks, live traces, the
+normalisation from the stored statistics) and the origins a crop may start at (:class:`CropOrigins`)."""
+
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sfm.errors import SFMError
+
+from sfm.data.store import open_survey_store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SurveyInfo:
+    """What the sampler needs to know about one survey; small enough to send to worker processes."""
+
+    store_url: str
+    name: str
+    shape: tuple[int, int, int]  # (IL, XL, NS)
+    bricks: tuple[int, int, int]  # the read unit: chunk shape (the inner chunk when sharded)
+    trace_mask: np.ndarray  # [IL, XL] bool
+    live_cells: np.ndarray  # [IL+1, XL+1] summed-area table of trace_mask
+    clip: tuple[float, float]  # stored 0.1 / 99.9 percentiles (amplitude units)
+    mean: float
+    std: float
+    scale: float = 1.0  # amplitude = stored * scale + offset (float16 stores; identity for float32)
+    offset: float = 0.0
+
+    def normalise_into(self, stored: np.ndarray, dst: np.ndarray) -> None:
+        """``dst = (clip(amplitude, p0.1, p99.9) - mean) / std`` from stored values, in three passes:
+        the clip is done in stored units (the decode is increasing), decode and standardise fold into
+        one multiply-add. (Cutting the passes into cache-sized blocks, or two passes through torch,
+        saved under 0.05 s of CPU per GB: a brick just decoded is still in the L3 cache.)"""
+        lo, hi = ((c - self.offset) / self.scale for c in self.clip)
+        np.clip(stored, lo, hi, out=dst, casting="unsafe")
+        dst *= np.float32(self.scale / self.std)
+        dst += np.float32((self.offset - self.mean) / self.std)
+
+    def live_traces(self, i0: int, j0: int, d: int, h: int) -> int:
+        t = self.live_cells
+        return int(t[i0 + d, j0 + h] - t[i0, j0 + h] - t[i0 + d, j0] + t[i0, j0])
+
+    def crop_origins(self, d: int, h: int, min_live_fraction: float, step: tuple[int, int]) -> "CropOrigins":
+        """Every (inline, crossline) origin on the ``step`` grid whose d x h window of traces is at
+        least ``min_live_fraction`` live, from the summed-area table in one vectorised pass."""
+        t = self.live_cells
+        a, b = step
+        n_i, n_j = (self.shape[0] - d) // a + 1, (self.shape[1] - h) // b + 1
+        i, j = np.arange(n_i)[:, None] * a, np.arange(n_j)[None, :] * b
+        live = t[i + d, j + h] - t[i, j + h] - t[i + d, j] + t[i, j]
+        return CropOrigins(live >= min_live_fraction * d * h - 1e-9, step)
+
+
+class CropOrigins:
+    """The allowed origins of one survey as a bool grid; ``pick(r)`` is the r-th allowed one, so an
+    origin is drawn uniformly among them with one integer draw (no rejection loop that can run out)."""
+
+    def __init__(self, allowed: np.ndarray, step: tuple[int, int]):
+        self.allowed = allowed  # [n_i, n_j] bool
+        self.step = step
+        self.before_row = np.concatenate([[0], np.cumsum(allowed.sum(axis=1))])  # allowed origins in rows < i
+        self.count = int(self.before_row[-1])
+
+    def pick(self, r: int) -> tuple[int, int]:
+        i = int(np.searchsorted(self.before_row, r, side="right")) - 1
+        j = int(np.flatnonzero(self.allowed[i])[r - self.before_row[i]])
+        return i * self.step[0], j * self.step[1]
+
+
+def read_survey_info(store_url: str, store=None) -> tuple[SurveyInfo, Any]:
+    """The survey's :class:`SurveyInfo` and its opened ``amplitude`` zarr array."""
+    import zarr
+
+    store = store if store is not None else open_survey_store(store_url)
+    try:
+        group = zarr.open_group(store, mode="r")
+        attrs = dict(group.attrs)
+        amp = group["amplitude"]
+        mask = np.asarray(group["trace_mask"][...], dtype=bool)
+    except (FileNotFoundError, KeyError) as err:
+        raise SFMError(f"survey store {store_url} does not exist or is incomplete ({type(err).__name__}: {err}); "
+                       "ingest the survey first") from err
+    except Exception as err:
+        raise SFMError(f"cannot open survey store {store_url}: {type(err).__name__}: {err}; check the URL, the "
+                       "S3 endpoint and credentials") from err
+    from sfm.ingest.contracts import read_store_attrs
+
+    read_store_attrs(attrs, f"survey store {store_url}")  # the survey_store contract, checked on read
+    stats = attrs.get("stats")
+    if not stats or "percentiles" not in stats:
+        raise SFMError(f"survey store {store_url} has no statistics in its attributes; re-ingest the survey")
+    table = np.zeros((mask.shape[0] + 1, mask.shape[1] + 1), dtype=np.int32 if mask.size < 2**31 else np.int64)
+    table[1:, 1:] = mask.cumsum(0, dtype=table.dtype).cumsum(1, dtype=table.dtype)
+    pct = stats["percentiles"]
+    transform = attrs.get("amplitude_transform") or {}
+    amp_attrs = dict(amp.attrs)
+    scale = float(transform.get("scale", amp_attrs.get("scale_factor", 1.0)))
+    offset = float(transform.get("offset", amp_attrs.get("add_offset", 0.0)))
+    info = SurveyInfo(
+        store_url=store_url, name=str(attrs.get("name") or attrs.get("survey_id") or store_url),
+        shape=tuple(int(n) for n in amp.shape), bricks=tuple(int(n) for n in amp.chunks), trace_mask=mask,
+        live_cells=table, clip=(float(pct["0.1"]), float(pct["99.9"])), mean=float(stats["mean"]),
+        std=float(stats["std"]) or 1.0, scale=scale, offset=offset,
+    )
+    return info, amp

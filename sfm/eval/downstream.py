@@ -1,0 +1,492 @@
+"""Downstream value of an encoder: per-voxel fault segmentation at small label budgets.
+
+The literature's protocol for self-supervised encoders (MAE, VideoMAE, MONAI's self-supervised
+UNETR, the Seismic Foundation Model of Sheng et al.): fine-tune the pretrained encoder and the same
+architecture from random initialisation on a few labelled volumes, score both on held-out volumes,
+and report the gain. Gains are largest with the fewest labels, so the budgets are small (1, 4, 16).
+
+Data: FaultSeg3D-like labelled volumes from :func:`sfm.ingest.geology.synthesize_volume`, normalised the way
+the training sampler normalises a survey (clipped to the 0.1/99.9 percentiles, standardised). Seeds
+come from :data:`LABELLED_SEED` on, far from any survey seed the pipeline generates for pretraining;
+the test volumes' seeds are disjoint from the labelled pool's. Any other source of labelled volumes
+(a different generator, real interpretations) can be passed to :func:`evaluate_downstream` instead.
+
+The segmentation network is the encoder (``model.encode``: every patch, no masking, [N, L, E]) and a
+linear head per token that emits the patch's voxels ([N, L, P] logits, put back in place by
+``model.unpatchify``): what it finds must be in the tokens. Fine-tuning trains both on random crops
+of the labelled volumes (random flips and inline/crossline swap), class-balanced binary
+cross-entropy, AdamW with warmup and cosine decay and layer-wise learning-rate decay (MAE's
+fine-tuning recipe). Pretrained and random encoders see identical crops, heads and schedules for a
+seed (paired seeds): the difference between them is the initialisation and nothing else.
+
+Frozen probes, with no hand-made features: the same linear head trained on the frozen encoder's
+tokens, and k-nearest neighbours (each test token's voxels get the mean label patch of its most
+similar training tokens, cosine similarity).
+
+Scores, over every voxel of the test volumes: average precision of the fault class (threshold free),
+and F1 / IoU at the threshold that maximises F1 on the training volumes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LABELLED_SEED = 1_000_000  # labelled pool: seeds LABELLED_SEED, +1, ...; pretraining surveys use small seeds
+TEST_SEED = 2_000_000  # held-out test volumes: TEST_SEED, +1, ...
+
+Volume = tuple[np.ndarray, np.ndarray]  # amplitude float32 [IL, XL, NS] normalised, faults uint8 [IL, XL, NS]
+
+
+@dataclass
+class Recipe:
+    """How the downstream evaluation fine-tunes and probes: ``recipe_of(EvalConfig)`` (sfm.config
+    documents each field there)."""
+
+    budgets: tuple[int, ...]  # labelled training volumes per run
+    seeds: int  # paired seeds per budget
+    test_volumes: int
+    volume: tuple[int, int, int]  # labelled volume shape (IL, XL, NS)
+    steps: int  # fine-tuning steps per run
+    batch_size: int
+    lr: float  # peak learning rate of the head; encoder layers get lr * layer_decay^(depth from the top)
+    layer_decay: float
+    probes: bool  # frozen linear and kNN probes besides fine-tuning
+    knn: int  # neighbours of the kNN probe (0: none)
+    linear_first: bool = True  # LP-FT: the head starts as the linear probe of the frozen tokens
+    weight_decay: float = 0.05
+    warmup_fraction: float = 0.1
+    probe_steps: int = 300  # frozen linear probe: full-batch steps on precomputed tokens
+
+
+def normalise(amplitude: np.ndarray) -> np.ndarray:
+    """Clip to the 0.1/99.9 percentiles and standardise, as the training sampler treats a survey."""
+    lo, hi = np.percentile(amplitude, (0.1, 99.9))
+    clipped = np.clip(amplitude, lo, hi)
+    return ((clipped - clipped.mean()) / (clipped.std() or 1.0)).astype(np.float32)
+
+
+def labelled_volumes(count: int, shape: Sequence[int], first_seed: int) -> list[Volume]:
+    """``count`` generated volumes (seeds ``first_seed`` ...): (normalised amplitude, fault labels)."""
+    from sfm.ingest.geology import synthesize_volume
+
+    out = []
+    for k in range(count):
+        amplitude, faults = synthesize_volume(tuple(shape), first_seed + k)
+        out.append((normalise(amplitude), faults))
+    return out
+
+
+# ---- the network ----------------------------------------------------------------------------------
+
+
+class FaultSegmenter(nn.Module):
+    """An MAE's encoder plus a linear head per token: imgs [N, 1, D, H, W] -> logits [N, D, H, W]."""
+
+    def __init__(self, mae: nn.Module):
+        super().__init__()
+        self.mae = mae
+        self.head = nn.Linear(mae.cfg.embed_dim, math.prod(mae.cfg.patch) * mae.cfg.in_chans)
+        nn.init.trunc_normal_(self.head.weight, std=0.02)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, imgs: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.mae.encode(imgs), self.mae.grid_shape(imgs))
+
+    def logits(self, tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """tokens [N, L, E] -> per-voxel logits [N, D, H, W]."""
+        return self.mae.unpatchify(self.head(tokens), grid)[:, 0]
+
+
+def encoder_parameters(mae: nn.Module) -> list[tuple[int, list[nn.Parameter]]]:
+    """The encoder's parameters by layer: 0 the patch embedding and cls token, 1..depth the blocks,
+    depth + 1 the final norm (the decoder is not part of the encoder)."""
+    depth = len(mae.blocks)
+    layers = [(0, [mae.patch_embed.weight, mae.patch_embed.bias, mae.cls_token])]
+    layers += [(b + 1, list(block.parameters())) for b, block in enumerate(mae.blocks)]
+    layers.append((depth + 1, list(mae.norm.parameters())))
+    return layers
+
+
+def optimizer_for(net: FaultSegmenter, recipe: Recipe, *, freeze_encoder: bool = False) -> torch.optim.AdamW:
+    """AdamW with layer-wise decay: layer ``k`` of a depth-``d`` encoder learns at lr * decay^(d + 1 - k);
+    biases, norms and the cls token have no weight decay."""
+    depth = len(net.mae.blocks)
+    groups = []
+    layers = [] if freeze_encoder else encoder_parameters(net.mae)
+    for layer, params in layers + [(depth + 1, list(net.head.parameters()))]:
+        scale = recipe.layer_decay ** (depth + 1 - layer)
+        decay = [p for p in params if p.ndim > 1 and p is not net.mae.cls_token]
+        no_decay = [p for p in params if not (p.ndim > 1 and p is not net.mae.cls_token)]
+        groups.append({"params": decay, "weight_decay": recipe.weight_decay, "lr_scale": scale})
+        groups.append({"params": no_decay, "weight_decay": 0.0, "lr_scale": scale})
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=recipe.lr, betas=(0.9, 0.999))
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warmup to 1, then cosine decay to 0 at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+# ---- data ------------------------------------------------------------------------------------------
+
+
+def random_crops(volumes: list[Volume], crop: Sequence[int], count: int, rng: np.random.Generator
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` random crops with random inline/crossline flips (and swap when the crop is square in
+    IL x XL): images [count, 1, D, H, W] float32, labels [count, D, H, W] float32."""
+    d, h, w = crop
+    imgs, labels = [], []
+    for _ in range(count):
+        amplitude, faults = volumes[int(rng.integers(len(volumes)))]
+        i, j, k = (int(rng.integers(n - c + 1)) for n, c in zip(amplitude.shape, crop))
+        a, f = amplitude[i:i + d, j:j + h, k:k + w], faults[i:i + d, j:j + h, k:k + w]
+        flip_i, flip_j, swap = rng.integers(0, 2, size=3)
+        if flip_i:
+            a, f = a[::-1], f[::-1]
+        if flip_j:
+            a, f = a[:, ::-1], f[:, ::-1]
+        if swap and d == h:
+            a, f = a.transpose(1, 0, 2), f.transpose(1, 0, 2)
+        imgs.append(np.ascontiguousarray(a))
+        labels.append(np.ascontiguousarray(f))
+    return torch.from_numpy(np.stack(imgs))[:, None], torch.from_numpy(np.stack(labels).astype(np.float32))
+
+
+def tile_origins(n: int, c: int) -> list[int]:
+    """Crop origins along an axis of ``n`` voxels: every ``c``, plus one flush with the end if needed."""
+    if n < c:
+        raise ValueError(f"a labelled volume axis of {n} voxels is smaller than the model's crop of {c}")
+    origins = list(range(0, n - c + 1, c))
+    return origins if origins[-1] + c == n else origins + [n - c]
+
+
+def tiles(shape: Sequence[int], crop: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Origins of the crops that cover a volume of ``shape`` (overlapping only at the far ends)."""
+    axes = [tile_origins(n, c) for n, c in zip(shape, crop)]
+    return [(i, j, k) for i in axes[0] for j in axes[1] for k in axes[2]]
+
+
+def cut(volume: np.ndarray, origins: list[tuple[int, int, int]], crop: Sequence[int]) -> torch.Tensor:
+    """The crops of ``volume`` [IL, XL, NS] at ``origins`` -> [M, 1, D, H, W] float32."""
+    d, h, w = crop
+    return torch.from_numpy(np.stack([volume[i:i + d, j:j + h, k:k + w] for i, j, k in origins]))[:, None].float()
+
+
+@torch.no_grad()
+def predict(net: FaultSegmenter, amplitude: np.ndarray, batch_size: int = 8) -> np.ndarray:
+    """Fault probability [IL, XL, NS] of a whole volume: its tiles' sigmoid, averaged where they overlap."""
+    crop = net.mae.cfg.crop
+    origins = tiles(amplitude.shape, crop)
+    imgs = cut(amplitude, origins, crop)
+    total = np.zeros(amplitude.shape, np.float32)
+    count = np.zeros(amplitude.shape, np.float32)
+    net.eval()
+    for first in range(0, len(origins), batch_size):
+        probs = torch.sigmoid(net(imgs[first:first + batch_size])).numpy()
+        for (i, j, k), p in zip(origins[first:first + batch_size], probs):
+            total[i:i + crop[0], j:j + crop[1], k:k + crop[2]] += p
+            count[i:i + crop[0], j:j + crop[1], k:k + crop[2]] += 1
+    return total / count
+
+
+# ---- scores ---------------------------------------------------------------------------------------
+
+
+def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Area under the precision-recall curve as a step function (scikit-learn's definition):
+    sum over thresholds of (recall_n - recall_{n-1}) * precision_n; tied scores share a threshold."""
+    s = np.asarray(scores, np.float64).ravel()
+    y = np.asarray(labels).ravel().astype(bool)
+    positives = int(y.sum())
+    if positives == 0:
+        return float("nan")
+    order = np.argsort(-s, kind="stable")
+    s, y = s[order], y[order]
+    last = np.r_[np.flatnonzero(np.diff(s)), len(s) - 1]  # the last index of each distinct score
+    tp = np.cumsum(y)[last]
+    precision = tp / (last + 1)
+    recall = tp / positives
+    return float(np.sum(np.diff(np.r_[0.0, recall]) * precision))
+
+
+def best_threshold(scores: np.ndarray, labels: np.ndarray) -> float:
+    """The threshold ``t`` that maximises F1 of ``scores >= t``."""
+    s = np.asarray(scores, np.float64).ravel()
+    y = np.asarray(labels).ravel().astype(bool)
+    order = np.argsort(-s, kind="stable")
+    s, y = s[order], y[order]
+    last = np.r_[np.flatnonzero(np.diff(s)), len(s) - 1]
+    tp = np.cumsum(y)[last]
+    f1 = 2 * tp / (last + 1 + y.sum())
+    return float(s[last[int(np.argmax(f1))]])
+
+
+def f1_iou(pred: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
+    """F1 and IoU of the fault class for boolean predictions."""
+    pred, labels = np.asarray(pred, bool).ravel(), np.asarray(labels).ravel().astype(bool)
+    tp = float(np.count_nonzero(pred & labels))
+    wrong = float(np.count_nonzero(pred ^ labels))
+    return (2 * tp / (2 * tp + wrong) if tp + wrong else 1.0), (tp / (tp + wrong) if tp + wrong else 1.0)
+
+
+def scores(train_probs: list[np.ndarray], train: list[Volume], test_probs: list[np.ndarray], test: list[Volume]
+           ) -> dict[str, float]:
+    """AP on the test volumes, and F1/IoU there at the threshold chosen on the training volumes."""
+    threshold = best_threshold(np.concatenate([p.ravel() for p in train_probs]),
+                               np.concatenate([f.ravel() for _, f in train]))
+    probs = np.concatenate([p.ravel() for p in test_probs])
+    labels = np.concatenate([f.ravel() for _, f in test])
+    f1, iou = f1_iou(probs >= threshold, labels)
+    return {"ap": average_precision(probs, labels), "f1": f1, "iou": iou, "threshold": threshold}
+
+
+# ---- fine-tuning and probes -------------------------------------------------------------------------
+
+
+def balanced_bce(logits: torch.Tensor, labels: torch.Tensor, positive_fraction: float) -> torch.Tensor:
+    """Binary cross-entropy with the two classes weighted equally overall (FaultSeg3D's balanced loss)."""
+    p = min(max(positive_fraction, 1e-4), 1 - 1e-4)
+    weight = torch.where(labels > 0.5, 0.5 / p, 0.5 / (1 - p))
+    return F.binary_cross_entropy_with_logits(logits, labels, weight=weight)
+
+
+def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *, head: nn.Linear | None = None,
+              freeze_encoder: bool = False) -> FaultSegmenter:
+    """Train ``FaultSegmenter(mae)`` (in place: ``mae`` is changed) on random crops of ``train``,
+    starting from ``head`` if given (linear probing first, then fine-tuning: LP-FT).
+
+    Everything random (the head's initialisation, the crops, their flips) comes from ``seed``, so two
+    encoders fine-tuned with one seed see exactly the same data in the same order.
+    """
+    torch.manual_seed(seed)
+    net = FaultSegmenter(mae)
+    if head is not None:
+        net.head.load_state_dict(head.state_dict())
+    for p in net.mae.parameters():
+        p.requires_grad_(not freeze_encoder)
+    optimizer = optimizer_for(net, recipe, freeze_encoder=freeze_encoder)
+    rng = np.random.default_rng(seed)
+    positive = float(np.mean([f.mean() for _, f in train]))
+    net.train()
+    for step in range(recipe.steps):
+        factor = lr_factor(step, max(1, round(recipe.warmup_fraction * recipe.steps)), recipe.steps)
+        for group in optimizer.param_groups:
+            group["lr"] = recipe.lr * group["lr_scale"] * factor
+        imgs, labels = random_crops(train, mae.cfg.crop, recipe.batch_size, rng)
+        loss = balanced_bce(net(imgs), labels, positive)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        optimizer.step()
+    net.eval()
+    return net
+
+
+@torch.no_grad()
+def tokens_of(mae: nn.Module, volumes: list[Volume], batch_size: int = 8
+              ) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, int, int]]]]:
+    """Frozen tokens of every tile of ``volumes``: tokens [M, L, E], the tiles' label patches [M, L, P]
+    and each volume's tile origins."""
+    crop = mae.cfg.crop
+    mae.eval()
+    toks, labs, origins = [], [], []
+    for amplitude, faults in volumes:
+        where = tiles(amplitude.shape, crop)
+        imgs = cut(amplitude, where, crop)
+        toks += [mae.encode(imgs[i:i + batch_size]).float() for i in range(0, len(imgs), batch_size)]
+        labs.append(mae.patchify(cut(faults.astype(np.float32), where, crop)))
+        origins.append(where)
+    return torch.cat(toks), torch.cat(labs), origins
+
+
+def _assemble(mae: nn.Module, probs: torch.Tensor, volumes: list[Volume], origins: list) -> list[np.ndarray]:
+    """Per-tile voxel probabilities [M, L, P] back into volumes (mean where tiles overlap)."""
+    crop, out, first = mae.cfg.crop, [], 0
+    for (amplitude, _), where in zip(volumes, origins):
+        block = mae.unpatchify(probs[first:first + len(where)], mae.cfg.grid)[:, 0].numpy()
+        first += len(where)
+        total, count = np.zeros(amplitude.shape, np.float32), np.zeros(amplitude.shape, np.float32)
+        for (i, j, k), p in zip(where, block):
+            total[i:i + crop[0], j:j + crop[1], k:k + crop[2]] += p
+            count[i:i + crop[0], j:j + crop[1], k:k + crop[2]] += 1
+        out.append(total / count)
+    return out
+
+
+def train_linear_head(x_train: torch.Tensor, y_train: torch.Tensor, recipe: Recipe, seed: int) -> nn.Linear:
+    """A linear head per token on frozen tokens x_train [M, L, E] for labels y_train [M, L, P]:
+    class-balanced BCE, full-batch AdamW on standardised tokens, the standardisation then folded into
+    the weights, so the head takes raw tokens like ``FaultSegmenter.head``."""
+    mean, std = x_train.mean(dim=(0, 1)), x_train.std(dim=(0, 1)) + 1e-6
+    torch.manual_seed(seed)
+    head = nn.Linear(x_train.shape[-1], y_train.shape[-1])
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2, weight_decay=1e-4)
+    positive = float(y_train.mean())
+    xs = (x_train - mean) / std
+    for step in range(recipe.probe_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-2 * lr_factor(step, max(1, recipe.probe_steps // 10), recipe.probe_steps)
+        loss = balanced_bce(head(xs), y_train, positive)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():  # head((x - mean) / std) == (W / std) x + (b - W (mean / std))
+        head.bias -= head.weight @ (mean / std)
+        head.weight /= std
+    return head
+
+
+def linear_probe(mae: nn.Module, head: nn.Linear, train_tokens, test_tokens, train: list[Volume],
+                 test: list[Volume]) -> dict[str, float]:
+    """Scores of a linear head on the frozen tokens of the training and test volumes."""
+    (x_train, _, o_train), (x_test, o_test) = train_tokens, test_tokens
+    with torch.no_grad():
+        p_train, p_test = torch.sigmoid(head(x_train)), torch.sigmoid(head(x_test))
+    return scores(_assemble(mae, p_train, train, o_train), train, _assemble(mae, p_test, test, o_test), test)
+
+
+def knn_probe(mae: nn.Module, train_tokens, test_tokens, train: list[Volume], test: list[Volume], k: int
+              ) -> dict[str, float]:
+    """k nearest training tokens by cosine similarity; a token's voxels get their mean label patch.
+    The training volumes' own scores (for the threshold) leave each token out of its neighbours."""
+    (x_train, y_train, o_train), (x_test, o_test) = train_tokens, test_tokens
+    bank = F.normalize(x_train.reshape(-1, x_train.shape[-1]), dim=-1)
+    labels = y_train.reshape(-1, y_train.shape[-1])
+
+    def vote(queries: torch.Tensor, leave_out: bool) -> torch.Tensor:
+        q = F.normalize(queries.reshape(-1, queries.shape[-1]), dim=-1)
+        out = torch.empty(len(q), labels.shape[-1])
+        for first in range(0, len(q), 2048):
+            sim = q[first:first + 2048] @ bank.T
+            if leave_out:
+                rows = torch.arange(len(sim))
+                sim[rows, rows + first] = -2.0
+            idx = sim.topk(min(k, len(bank) - int(leave_out)), dim=-1).indices
+            out[first:first + 2048] = labels[idx].mean(dim=1)
+        return out.reshape(queries.shape[0], queries.shape[1], -1)
+
+    return scores(_assemble(mae, vote(x_train, True), train, o_train), train,
+                  _assemble(mae, vote(x_test, False), test, o_test), test)
+
+
+# ---- the evaluation -----------------------------------------------------------------------------
+
+
+def budget_volumes(pool: list[Volume], budget: int, seed: int) -> list[Volume]:
+    """The ``budget`` labelled volumes of run ``seed``: a seeded draw from the pool (the whole pool at its size)."""
+    pick = np.random.default_rng(seed).permutation(len(pool))[:budget]
+    return [pool[i] for i in sorted(pick)]
+
+
+def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool: list[Volume] | None = None,
+                        test: list[Volume] | None = None, example: dict | None = None, log=print) -> dict[str, Any]:
+    """Fine-tune ``model``'s encoder and a randomly initialised copy of its architecture at every label
+    budget and seed; frozen probes besides. ``pool``/``test``: labelled volumes (default: generated,
+    ``max(budgets)`` for the pool and ``test_volumes`` held out, with disjoint seeds).
+
+    Returns ``downstream``: per budget {"pretrained": [per-seed scores], "random": [...], summary
+    figures}, plus flat headline keys ``ft_ap_gain_b<N>``, ``ft_ap_b<N>``, ``ft_ap_random_b<N>``,
+    ``ft_all_seeds_gain_b<N>`` and, with probes, ``linear_ap_*`` / ``knn_ap_*``. ``example``, if given,
+    receives the first test volume (``amplitude``, ``faults``) and the fault probability both fine-tuned
+    networks give it (``pretrained``, ``random``: [IL, XL, NS]) at the smallest budget, seed 0.
+    """
+    from sfm.model.mae import MaskedAutoencoder3D
+
+    if recipe is None:
+        from sfm.config import EvalConfig
+
+        recipe = recipe_of(EvalConfig())
+    t0 = time.perf_counter()
+    pool = pool if pool is not None else labelled_volumes(max(recipe.budgets), recipe.volume, LABELLED_SEED)
+    test = test if test is not None else labelled_volumes(recipe.test_volumes, recipe.volume, TEST_SEED)
+    pretrained_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cfg = model.cfg
+    rng_state = torch.get_rng_state()
+    results: dict[str, Any] = {"budgets": {}, "recipe": {k: getattr(recipe, k) for k in recipe.__dataclass_fields__},
+                               "test_volumes": len(test), "pool_volumes": len(pool),
+                               "test_fault_fraction": float(np.mean([f.mean() for _, f in test]))}
+    flat: dict[str, Any] = {}
+    try:
+        for budget in recipe.budgets:
+            if budget > len(pool):
+                raise ValueError(f"label budget {budget} is larger than the labelled pool of {len(pool)} volumes")
+            runs: dict[str, list[dict[str, float]]] = {}
+            for seed in range(recipe.seeds):
+                train = budget_volumes(pool, budget, seed)
+                for init in ("pretrained", "random"):
+                    torch.manual_seed(10_000 + seed)  # the random init of seed s, the same for every budget
+                    mae = MaskedAutoencoder3D(cfg)
+                    if init == "pretrained":
+                        mae.load_state_dict(pretrained_state)
+                    tokens = tokens_of(mae, train)
+                    head = train_linear_head(tokens[0], tokens[1], recipe, seed)
+                    if recipe.probes:
+                        x_test, _, o_test = tokens_of(mae, test)
+                        test_tokens = (x_test, o_test)
+                        runs.setdefault(f"linear_{init}", []).append(
+                            linear_probe(mae, head, tokens, test_tokens, train, test))
+                        if recipe.knn > 0 and seed == 0:  # kNN has no seed of its own: once per budget
+                            runs.setdefault(f"knn_{init}", []).append(
+                                knn_probe(mae, tokens, test_tokens, train, test, recipe.knn))
+                    net = fine_tune(mae, train, recipe, seed, head=head if recipe.linear_first else None)
+                    test_probs = [predict(net, a) for a, _ in test]
+                    score = scores([predict(net, a) for a, _ in train], train, test_probs, test)
+                    if example is not None and budget == min(recipe.budgets) and seed == 0:
+                        example.update(amplitude=test[0][0], faults=test[0][1], budget=budget)
+                        example[init] = test_probs[0]
+                    runs.setdefault(f"ft_{init}", []).append(score)
+                    log(f"sfm downstream: budget {budget} seed {seed} {init}: AP {score['ap']:.4f} "
+                        f"F1 {score['f1']:.4f} ({time.perf_counter() - t0:.0f}s)")
+            summary = {name: runs[name] for name in runs}
+            for kind in ("ft", "linear", "knn"):
+                if f"{kind}_pretrained" not in runs:
+                    continue
+                pre = np.array([r["ap"] for r in runs[f"{kind}_pretrained"]])
+                rnd = np.array([r["ap"] for r in runs[f"{kind}_random"]])
+                n = min(len(pre), len(rnd))
+                gains = pre[:n] - rnd[:n]
+                flat[f"{kind}_ap_b{budget}"] = float(pre.mean())
+                flat[f"{kind}_ap_random_b{budget}"] = float(rnd.mean())
+                flat[f"{kind}_ap_gain_b{budget}"] = float(gains.mean())
+                flat[f"{kind}_all_seeds_gain_b{budget}"] = bool((gains > 0).all())
+                flat[f"{kind}_min_gain_b{budget}"] = float(gains.min())
+                for metric in ("f1", "iou"):
+                    flat[f"{kind}_{metric}_b{budget}"] = float(np.mean([r[metric] for r in runs[f"{kind}_pretrained"]]))
+                    flat[f"{kind}_{metric}_random_b{budget}"] = float(np.mean([r[metric] for r in runs[f"{kind}_random"]]))
+            results["budgets"][str(budget)] = summary
+    finally:
+        torch.set_rng_state(rng_state)
+    results["seconds"] = time.perf_counter() - t0
+    return {"downstream": results, **flat}
+
+
+def recipe_of(eval_cfg) -> Recipe:
+    """The :class:`Recipe` an ``sfm.config.EvalConfig`` describes."""
+    e = eval_cfg
+    return Recipe(budgets=tuple(e.budgets), seeds=e.seeds, test_volumes=e.test_volumes, volume=tuple(e.volume),
+                  steps=e.finetune_steps, batch_size=e.finetune_batch, lr=e.finetune_lr, layer_decay=e.layer_decay,
+                  probes=e.probes, knn=e.knn)
+
+
+def summarize(metrics: dict[str, Any]) -> str:
+    """One line: the fine-tuned AP of both inits and the gain at every budget, and the frozen probes'."""
+    budgets = metrics["downstream"]["recipe"]["budgets"]
+    parts = []
+    for b in budgets:
+        line = (f"{b} vol: AP {metrics[f'ft_ap_b{b}']:.3f} vs {metrics[f'ft_ap_random_b{b}']:.3f} random "
+                f"({metrics[f'ft_ap_gain_b{b}']:+.3f}{', every seed' if metrics[f'ft_all_seeds_gain_b{b}'] else ''})")
+        for kind in ("linear", "knn"):
+            if f"{kind}_ap_gain_b{b}" in metrics:
+                line += f", {kind} {metrics[f'{kind}_ap_gain_b{b}']:+.3f}"
+        parts.append(line)
+    return "fault segmentation fine-tuned, pretrained vs random init: " + "; ".join(parts)

@@ -1,0 +1,354 @@
+"""Streaming a SEG-Y file's traces into a new survey store: the amplitude bricks, the trace mask and
+the statistics, one column of bricks at a time on all cores, in bounded memory."""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sfm import storage
+from sfm.config import IngestConfig
+from sfm.ingest.contracts import validate
+from sfm.errors import SFMError
+from sfm.ingest.segy import SegyLayout, SurveyGeometry, cdp_coordinates
+from sfm.ingest.zarr_writer import GroupWriter
+from sfm.ingest.segy_traces import TraceReader
+from sfm.ingest.options import (AMPLITUDE_CODEC, FLOAT16_MAX, PERCENTILE_TRACES, PERCENTILES, SHARD_BYTES,
+                                TRANSFORM_TRACES, codec_spec, ingest_threads)
+
+
+# ------------------------------------------------------------------------------------------------
+# statistics
+
+
+@dataclass
+class _Moments:
+    """Count, mean, M2 (sum of squared deviations), min, max of live samples; merged with Chan's formula."""
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    min: float = math.inf
+    max: float = -math.inf
+    nonfinite: int = 0
+    first_nonfinite: int = -1  # trace number
+    zero_traces: int = 0
+    sample: list = field(default_factory=list)  # [k, NS] float32 arrays of evenly spaced traces
+
+    def add_block(self, block: np.ndarray, lo: float, hi: float) -> None:
+        """Add live traces ``block`` [T, NS] float32 (finite), whose min and max are ``lo`` and ``hi``."""
+        t, ns = block.shape
+        sums = block.sum(axis=1)
+        squares = np.einsum("ij,ij->i", block, block)
+        n = t * ns
+        total = float(sums.sum(dtype=np.float64))
+        mean = total / n
+        m2 = float(squares.sum(dtype=np.float64)) - total * mean
+        if not math.isfinite(m2) or m2 <= 1e-3 * float(squares.sum(dtype=np.float64)):
+            # float32 partial sums lose the spread when |mean| >> std (or overflow): redo exactly
+            wide = block.astype(np.float64)
+            mean = float(wide.mean())
+            m2 = float(np.square(wide - mean).sum())
+        self.merge(_Moments(n, mean, max(0.0, m2), lo, hi))
+        if lo == 0.0 or hi == 0.0:
+            self.zero_traces += int(np.count_nonzero((block == 0).all(axis=1)))
+
+    def merge(self, other: "_Moments") -> None:
+        if other.n:
+            n = self.n + other.n
+            delta = other.mean - self.mean
+            self.mean += delta * other.n / n
+            self.m2 += other.m2 + delta * delta * self.n * other.n / n
+            self.n = n
+            self.min, self.max = min(self.min, other.min), max(self.max, other.max)
+        self.nonfinite += other.nonfinite
+        if self.first_nonfinite < 0:
+            self.first_nonfinite = other.first_nonfinite
+        self.zero_traces += other.zero_traces
+        self.sample.extend(other.sample)
+
+    def result(self) -> dict[str, Any]:
+        base = {"nonfinite_replaced": int(self.nonfinite), "zero_traces": int(self.zero_traces),
+                "percentile_traces": int(sum(len(s) for s in self.sample))}
+        if self.n == 0:
+            return {"count": 0, "mean": 0.0, "std": 0.0, "min": 0.0, "max": 0.0, "all_zero": True,
+                    "percentiles": {f"{p:g}": 0.0 for p in PERCENTILES}, **base}
+        values = np.concatenate([s.ravel() for s in self.sample]) if self.sample else np.zeros(1, np.float32)
+        pct = np.percentile(values, PERCENTILES)
+        return {
+            "count": int(self.n), "mean": float(self.mean), "std": float(math.sqrt(self.m2 / self.n)),
+            "min": float(self.min), "max": float(self.max), "all_zero": self.min == 0.0 and self.max == 0.0,
+            "percentiles": {f"{p:g}": float(v) for p, v in zip(PERCENTILES, pct)}, **base,
+        }
+
+
+# ------------------------------------------------------------------------------------------------
+# the store
+
+
+@dataclass
+class _Plan:
+    """Shapes of the store and of the work units."""
+
+    shape: tuple[int, int, int]
+    bricks: tuple[int, int, int]
+    shards: tuple[int, int, int]
+    dtype: str
+    codec: dict[str, Any] = field(default_factory=lambda: dict(AMPLITUDE_CODEC))
+    offset: float = 0.0  # float16: amplitude = stored * scale + offset
+    scale: float = 1.0
+    hole: float = 0.0  # the stored value of a missing trace (decodes to exactly 0)
+
+    @property
+    def units(self) -> list[tuple[int, int, int, int]]:
+        """(il0, il1, xl0, xl1) of every brick column, inline blocks outermost."""
+        n_il, n_xl, _ = self.shape
+        b_il, b_xl, _ = self.bricks
+        return [(i, min(n_il, i + b_il), j, min(n_xl, j + b_xl))
+                for i in range(0, n_il, b_il) for j in range(0, n_xl, b_xl)]
+
+
+def _plan(layout: SegyLayout, geometry: SurveyGeometry, opts: IngestConfig) -> _Plan:
+    n_il, n_xl = geometry.shape
+    ns = layout.samples
+    c = int(opts.chunk)
+    bricks = (min(c, n_il), min(c, n_xl), min(c, ns))
+    brick_bytes = math.prod(bricks) * np.dtype(opts.dtype).itemsize
+    per_shard = max(1, min(-(-ns // bricks[2]), SHARD_BYTES // brick_bytes))
+    return _Plan((n_il, n_xl, ns), bricks, (bricks[0], bricks[1], bricks[2] * per_shard), opts.dtype,
+                 codec_spec(opts.codec))
+
+
+def _float16_transform(plan: _Plan, reader: TraceReader, n_traces: int) -> None:
+    """Fix the float16 standardisation from evenly spaced traces read before the main pass."""
+    picks = np.unique(np.linspace(0, n_traces - 1, min(n_traces, TRANSFORM_TRACES)).astype(np.int64))
+    values = np.concatenate([reader.read(int(t), int(t) + 1).ravel() for t in picks])
+    values = values[np.isfinite(values)].astype(np.float64)
+    mean = float(values.mean()) if values.size else 0.0
+    std = float(values.std()) if values.size else 0.0
+    scale = std if std > 0 else (abs(mean) or 1.0)
+    hole = np.float16(-mean / scale)  # holes must decode to exactly 0: pick the offset to make it so
+    plan.scale, plan.hole, plan.offset = scale, float(hole), -float(hole) * scale
+
+
+def _create_arrays(group: GroupWriter, plan: _Plan, geometry: SurveyGeometry, layout: SegyLayout,
+                   headers: dict) -> None:
+    """The store's arrays: ``amplitude`` (metadata only; its shards come later) and the small ones."""
+    from zarr.codecs import BloscCodec
+
+    n_il, n_xl, ns = plan.shape
+    amp_attrs = {"coordinates": "cdp_x cdp_y", "long_name": "amplitude"}
+    if plan.dtype == "float16":  # CF convention: xarray decodes stored values back to amplitude
+        amp_attrs.update({"scale_factor": plan.scale, "add_offset": plan.offset})
+    group.create_array(
+        "amplitude", shape=plan.shape, chunks=plan.bricks, dtype=plan.dtype,
+        shards={"shape": plan.shards, "index_location": "start"},
+        compressors=BloscCodec(**plan.codec), fill_value=plan.hole,
+        dimension_names=["inline", "crossline", "sample"], attributes=amp_attrs)
+    mask = np.zeros((n_il, n_xl), dtype=bool)
+    mask[geometry.trace_il, geometry.trace_xl] = True
+    cdp_x, cdp_y, _ = cdp_coordinates(geometry, headers)
+    small = (
+        ("trace_mask", mask, ["inline", "crossline"], {}),
+        ("cdp_x", cdp_x, ["inline", "crossline"], {"long_name": "CDP X (scaled by byte 71)"}),
+        ("cdp_y", cdp_y, ["inline", "crossline"], {"long_name": "CDP Y (scaled by byte 71)"}),
+        ("inline", geometry.inlines, ["inline"], {}),
+        ("crossline", geometry.crosslines, ["crossline"], {}),
+        ("sample", np.arange(ns) * layout.sample_interval_us / 1000.0, ["sample"], {"units": "ms"}),
+    )
+    for name, values, dims, attributes in small:
+        group.create_array(name, values, shape=values.shape, chunks=values.shape, dtype=values.dtype, fill_value=0,
+                           dimension_names=dims, attributes=attributes,
+                           compressors=BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"))
+    group.put(layout_of=["amplitude"])
+
+
+def write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, headers: dict,
+                 attrs: dict[str, Any], opts: IngestConfig, progress: bool) -> dict[str, Any]:
+    """Write the Zarr v3 group and return the statistics (computed while the traces stream through)."""
+    plan = _plan(layout, geometry, opts)
+    cells = geometry.cell_traces()  # [IL, XL] trace number or -1
+    stride = max(1, layout.n_traces // PERCENTILE_TRACES)
+    with TraceReader(layout) as reader:
+        if plan.dtype == "float16":
+            _float16_transform(plan, reader, layout.n_traces)
+        group = GroupWriter(store_url)
+        _create_arrays(group, plan, geometry, layout, headers)
+        writer = group.shards("amplitude")
+        b_il, b_xl, depth = plan.bricks
+        n_k = -(-plan.shape[2] // depth)  # bricks along the samples
+        per_shard = plan.shards[2] // depth
+        buffers = threading.local()  # per thread, reused: no page faults per column
+
+        def work(unit: tuple[int, int, int, int]) -> _Moments:
+            il0, il1, xl0, xl1 = unit
+            if getattr(buffers, "column", None) is None:
+                # brick-major: column[k] is the k-th brick along the samples, C-contiguous, what the codec reads
+                buffers.column = np.empty((n_k, b_il, b_xl, depth), dtype=np.float32)
+                buffers.block = np.empty((reader.max_traces, plan.shape[2]), dtype=np.float32)
+            unit_cells = cells[il0:il1, xl0:xl1]
+            moments = _read_unit(reader, unit_cells, buffers.column, buffers.block, stride)
+            if moments.n == 0:
+                return moments  # all holes: no shard (zarr reads fill value, which decodes to 0)
+            stored = _encode(buffers.column, unit_cells >= 0, plan, buffers)
+            for s in range(writer.shards_per_column):
+                bricks = [stored[k] if k < n_k else None for k in range(s * per_shard, (s + 1) * per_shard)]
+                writer.write_bricks((il0 // b_il, xl0 // b_xl, s), bricks)
+            return moments
+
+        total = _Moments()
+        units = plan.units
+        bar = _progress(len(units), layout.name, progress)
+
+        def merge(moments: _Moments) -> None:
+            total.merge(moments)
+            bar.update(1)
+            if total.nonfinite and opts.nonfinite == "refuse":
+                t = total.first_nonfinite
+                raise SFMError(
+                    f"{layout.name} has NaN/inf samples (first in trace #{t + 1}, inline "
+                    f"{int(geometry.inlines[geometry.trace_il[t]])}, crossline "
+                    f"{int(geometry.crosslines[geometry.trace_xl[t]])}); fix the file, or ingest without "
+                    "--refuse-nonfinite to replace them by 0 and count them")
+
+        workers = ingest_threads(opts, remote=storage.is_s3(store_url))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sfm-ingest") as pool:
+            pending: deque = deque()
+            try:
+                for unit in units:  # at most 2 units per worker in flight: memory stays bounded
+                    pending.append(pool.submit(work, unit))
+                    while len(pending) >= 2 * workers:
+                        merge(pending.popleft().result())
+                while pending:
+                    merge(pending.popleft().result())
+            except BaseException:
+                for future in pending:
+                    future.cancel()
+                raise
+            finally:
+                bar.close()
+    stats = total.result()
+    attrs["stats"] = stats
+    attrs["store"] = {"bricks": list(plan.bricks), "shards": list(plan.shards), "shard_index": "start",
+                      "codec": "blosc " + " ".join(f"{k}={v}" for k, v in plan.codec.items()),
+                      "dtype": plan.dtype}
+    if plan.dtype == "float16":
+        attrs["amplitude_transform"] = {"kind": "standardise", "stored_dtype": "float16",
+                                        "offset": plan.offset, "scale": plan.scale, "hole_value": plan.hole,
+                                        "decode": "amplitude = stored * scale + offset"}
+    validate("survey_store", attrs, f"survey store {store_url}")
+    group.finish(attrs)
+    return stats
+
+
+def _read_unit(reader: TraceReader, cells: np.ndarray, column: np.ndarray, block: np.ndarray,
+               stride: int) -> _Moments:
+    """Fill brick column ``column`` [K, A, B, D] (brick-major: brick k holds samples k*D .. k*D + D - 1)
+    with the traces of ``cells`` [a, b] (trace numbers, -1 for holes) and return the statistics of its
+    live samples. Whatever no trace fills is 0: holes, cells past the unit's edge (a < A or b < B) and
+    samples past the trace's end (K * D > NS).
+
+    Consecutive trace numbers are read together, in pieces of at most ``len(block)`` traces: each piece
+    is converted into ``block`` [T, NS] float32 (small: it stays in cache), its statistics taken there,
+    and only then placed into the column (along a crossline row for inline-sorted files, along an
+    inline column for crossline-sorted ones, cell by cell otherwise).
+    """
+    moments = _Moments()
+    a, b = cells.shape
+    n_k, big_a, big_b, depth = column.shape
+    ns = block.shape[1]
+    full, rest = divmod(ns, depth)  # bricks the samples fill, samples in the last one
+    if a < big_a:
+        column[:, a:] = 0.0
+    if b < big_b:
+        column[:, :a, b:] = 0.0
+    if rest:
+        column[full, :a, :b, rest:] = 0.0
+    live = cells >= 0
+    hole_i, hole_j = np.nonzero(~live)
+    if hole_i.size:
+        column[:, hole_i, hole_j] = 0.0
+    li, lj = np.nonzero(live)
+    if li.size == 0:
+        return moments
+    traces = cells[li, lj]
+    order = np.argsort(traces, kind="stable")
+    traces, li, lj = traces[order], li[order], lj[order]
+    breaks = np.nonzero(np.diff(traces) != 1)[0] + 1
+    step = len(block)
+    pieces = [(p, min(p + step, hi)) for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, len(traces)])
+              for p in range(int(lo), int(hi), step)]
+    for lo, hi in pieces:
+        start, stop = int(traces[lo]), int(traces[hi - 1]) + 1
+        i, j = li[lo:hi], lj[lo:hi]
+        if i[0] == i[-1] and j[-1] - j[0] == hi - lo - 1:  # along a crossline row
+            i, j = int(i[0]), slice(int(j[0]), int(j[-1]) + 1)
+        elif j[0] == j[-1] and i[-1] - i[0] == hi - lo - 1:  # along an inline column
+            i, j = slice(int(i[0]), int(i[-1]) + 1), int(j[0])
+        piece = block[: hi - lo]
+        reader.read_into(start, stop, piece)
+        low, high = float(piece.min()), float(piece.max())
+        if not (math.isfinite(low) and math.isfinite(high)):  # NaN or inf somewhere: count, locate, replace by 0
+            bad = ~np.isfinite(piece)
+            moments.nonfinite += int(bad.sum())
+            if moments.first_nonfinite < 0:
+                moments.first_nonfinite = start + int(np.nonzero(bad.any(axis=1))[0][0])
+            piece[bad] = 0.0
+            low, high = float(piece.min()), float(piece.max())
+        moments.add_block(piece, low, high)
+        keep = np.nonzero(np.arange(start, stop) % stride == 0)[0]
+        if keep.size:
+            moments.sample.append(piece[keep].copy())
+        if full:
+            column[:full, i, j] = piece[:, : full * depth].reshape(hi - lo, full, depth).transpose(1, 0, 2)
+        if rest:
+            column[full, i, j, :rest] = piece[:, full * depth :]
+    return moments
+
+
+def _encode(column: np.ndarray, live: np.ndarray, plan: _Plan, buffers) -> np.ndarray:
+    """The stored values of brick column ``column`` [K, A, B, D] (filled by :func:`_read_unit` for the
+    cells ``live`` [a, b]): itself (float32), or standardised float16 with the hole value wherever
+    no trace is."""
+    if plan.dtype == "float32":
+        return column
+    column -= np.float32(plan.offset)
+    column *= np.float32(1.0 / plan.scale)
+    np.clip(column, -FLOAT16_MAX, FLOAT16_MAX, out=column)
+    if getattr(buffers, "half", None) is None:
+        buffers.half = np.empty(column.shape, dtype=np.float16)
+    stored = buffers.half
+    np.copyto(stored, column, casting="same_kind")
+    hole = np.float16(plan.hole)
+    a, b = live.shape
+    stored[:, a:] = hole
+    stored[:, :, b:] = hole
+    hole_i, hole_j = np.nonzero(~live)
+    stored[:, hole_i, hole_j] = hole
+    rest = plan.shape[2] % column.shape[3]
+    if rest:
+        stored[-1, :, :, rest:] = hole
+    return stored
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, name: str, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"ingest {name}", unit="column", file=sys.stderr, leave=False)

@@ -1,0 +1,77 @@
+"""The manifest: the table of published surveys under ``<data-root>/manifest/``.
+
+Each published survey is one immutable parquet row object, ``manifest/rows/<survey_id>.parquet``,
+written in a single atomic PUT *after* its store is complete. A survey without a row is invisible,
+so an interrupted ingest leaves nothing readers can see, and two ingests into the same data root
+never overwrite each other's rows. The manifest version is a digest of the set of rows, so the same
+set of surveys always has the same version (used in model lineage).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from typing import Any
+
+from sfm import storage
+from sfm.ingest.contracts import validate
+
+COLUMNS = ["survey_id", "name", "source_url", "store_url", "shape", "live_traces", "checksum",
+           "sample_format", "sample_interval_us", "dtype", "ingested_at", "stats_json"]
+
+
+def rows_url(data_root: str) -> str:
+    return storage.join(data_root, "manifest", "rows")
+
+
+def row_url(data_root: str, survey_id: str) -> str:
+    return storage.join(rows_url(data_root), f"{survey_id}.parquet")
+
+
+def publish(data_root: str, row: dict[str, Any]) -> bool:
+    """Make a survey visible: validate its row and create it in one atomic step.
+
+    Returns False (and changes nothing) when the survey's row already exists: two ingests of the same
+    content racing each other publish exactly one row.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    validate("manifest_row", row, f"manifest row for {row.get('name', '?')}")
+    table = pa.Table.from_pylist([row])
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return storage.write_bytes_if_absent(row_url(data_root, row["survey_id"]), buf.getvalue())
+
+
+def get_row(data_root: str, survey_id: str) -> dict[str, Any] | None:
+    import pyarrow.parquet as pq
+
+    url = row_url(data_root, survey_id)
+    if not storage.exists(url):
+        return None
+    row = pq.read_table(io.BytesIO(storage.read_bytes(url))).to_pylist()[0]
+    row["shape"] = [int(v) for v in row["shape"]]
+    validate("manifest_row", row, url)
+    return row
+
+
+def read(data_root: str):
+    """All published surveys as a pandas DataFrame, one row each, sorted by survey_id."""
+    import pandas as pd
+
+    rows = []
+    for name in storage.list_dir(rows_url(data_root)):
+        if name.endswith(".parquet"):
+            row = get_row(data_root, name[: -len(".parquet")])
+            if row:
+                rows.append(row)
+    return pd.DataFrame(rows, columns=COLUMNS).sort_values("survey_id", ignore_index=True)
+
+
+def version(data_root: str) -> str:
+    """A digest of the published set of surveys: ``m<count>-<sha256[:12]>``."""
+    ids = sorted(name[: -len(".parquet")] for name in storage.list_dir(rows_url(data_root)) if name.endswith(".parquet"))
+    digest = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:12]
+    return f"m{len(ids)}-{digest}"

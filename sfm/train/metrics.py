@@ -1,0 +1,88 @@
+"""What a training run reports while it runs: the loss history, throughput windows, the progress
+bar, the heartbeat and TensorBoard (through the accelerator's tracker)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from typing import Any
+
+import torch
+
+from sfm.train.step import throughput
+
+
+class MetricsLogger:
+    """Collects each step's loss and, every ``log_every`` steps, logs loss, learning rate and
+    throughput. ``history`` ({"step", "loss", and at logged steps the speed figures}) is what a
+    checkpoint saves and the summary reports; a skipped (non-finite) step keeps its place with loss
+    None. Time spent in checkpoints, snapshots and rollbacks (:meth:`paused`) does not count
+    against throughput."""
+
+    def __init__(self, accelerator, heartbeat, guard, *, max_steps: int, start_step: int, history: list[dict],
+                 samples_per_step: int, voxels_per_sample: int, flops_per_sample: float, peak_flops: float):
+        from tqdm import tqdm
+
+        self.accelerator, self.heartbeat, self.guard = accelerator, heartbeat, guard
+        self.history = history
+        self.samples_per_step, self.voxels_per_sample = samples_per_step, voxels_per_sample
+        self.flops_per_sample, self.peak_flops = flops_per_sample, peak_flops
+        self.pending: list[torch.Tensor] = []  # mean loss of each step since history was last written
+        self.started = time.perf_counter()
+        self._window_start, self._window_steps, self._paused = self.started, 0, 0.0
+        self.bar = tqdm(total=max_steps, initial=start_step, disable=not accelerator.is_main_process,
+                        desc="pretrain", mininterval=2, file=sys.stderr)
+
+    def record(self, losses: torch.Tensor) -> None:
+        """One applied or skipped step's per-micro-batch losses."""
+        self.pending.append(losses.mean())
+        self._window_steps += 1
+
+    def flush(self, step: int) -> None:
+        """Append every pending step's loss, averaged over ranks, to the history (a collective)."""
+        losses = self.accelerator.reduce(torch.stack(self.pending), "mean").tolist()
+        self.history.extend({"step": step - len(losses) + i + 1, "loss": v if math.isfinite(v) else None}
+                            for i, v in enumerate(losses))
+        self.pending.clear()
+
+    def log(self, step: int, lr: float) -> None:
+        """Loss, learning rate and throughput of the window since the last log, everywhere."""
+        speed = throughput(samples=self._window_steps * self.samples_per_step,
+                           seconds=time.perf_counter() - self._window_start - self._paused,
+                           flops_per_sample=self.flops_per_sample, voxels_per_sample=self.voxels_per_sample,
+                           peak_flops=self.peak_flops, devices=self.accelerator.num_processes)
+        loss = self.history[-1]["loss"]
+        metrics = {"loss": float("nan") if loss is None else loss, "lr": lr, **speed}
+        self.history[-1].update({k: v for k, v in metrics.items() if k != "loss"})
+        self.accelerator.log(metrics, step=step)
+        self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}", sps=f"{speed['samples_per_s']:.1f}",
+                             vox=f"{speed['voxels_per_s'] / 1e6:.1f}M", mfu=f"{speed['mfu']:.1%}")
+        self.heartbeat.beat(step, loss=metrics["loss"], samples_per_s=speed["samples_per_s"],
+                            skipped_nonfinite=self.guard.skipped, rollbacks=self.guard.rollbacks)
+        self._window_start, self._window_steps, self._paused = time.perf_counter(), 0, 0.0
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time inside does not count as training time."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - t0
+
+    def rewind(self, step: int, history: list[dict]) -> None:
+        """Back to a checkpoint's ``step`` and ``history`` (a rollback)."""
+        self.pending.clear()
+        self.history = history
+        self.bar.reset(total=self.bar.total)
+        self.bar.update(step)
+
+    def latest(self) -> dict[str, Any]:
+        """The last logged speed figures (empty before the first log)."""
+        tail = [h for h in self.history if "samples_per_s" in h]
+        return tail[-1] if tail else {}
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,397 @@
+"""MAE pretraining on Hugging Face Accelerate; one process per device, launched by torchrun.
+
+:class:`Trainer` is the loop (build, resume, step, log, checkpoint, export); its components are
+:class:`sfm.train.step.TrainStep` (one optimiser step), :class:`sfm.train.checkpoint.Checkpointer`,
+:class:`sfm.train.metrics.MetricsLogger` and the health parts of :mod:`sfm.train.health`.
+
+``python -m sfm.train.trainer JOB.json`` (under ``torchrun``, or alone for one process) trains on the surveys named in the job file and
+writes under its ``run_root``::
+
+    job_config.json        the resolved JobConfig (written first)
+    ckpt/step-NNNNNN/      checkpoints (see sfm.train.checkpoint); a restarted job continues from the newest
+    final/                 the exported model (model.safetensors + config.json)
+    snapshots/step-NNNNNN/ the model exported part-way, at ``train.snapshots`` fractions of the steps
+    summary.json           loss history and throughput (written last)
+    tensorboard/           Accelerate's TensorBoard logs
+
+The job file is JSON: {"config": JobConfig dict, "surveys": [store URLs], "run_root": URL}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import functools
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+from sfm import storage
+from sfm.config import JobConfig
+from sfm.data import training_stream
+from sfm.distributed import strategies
+from sfm.distributed.layout import Layout, cp_group, replica_digests
+from sfm.errors import SFMError
+from sfm.model import build_model, model_config_for, train_flops_per_sample
+from sfm.model import load as load_model
+from sfm.model import save as save_model
+from sfm.model.hardware import peak_flops
+from sfm.train import checkpoint
+from sfm.train.faults import Faults
+from sfm.train.health import ROLLBACK, SKIP, Heartbeat, NonFiniteGuard, Watchdog, all_ranks_finite
+from sfm.train.metrics import MetricsLogger
+from sfm.train.step import TrainStep, apply_training_options, build_optimizer, lr_at
+
+log = logging.getLogger("sfm.train.trainer")
+
+
+def schedule(cfg: JobConfig) -> Callable[[int], float]:
+    """Learning rate of each optimiser step for this job (warmup + cosine, see train.step.lr_at)."""
+    t = cfg.train
+    return functools.partial(lr_at, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps)
+
+
+@dataclasses.dataclass
+class TrainSummary:
+    """What a finished run reports (``summary.json`` under the run root; the flow reads it)."""
+
+    steps: int
+    steps_this_attempt: int
+    resumed_from_step: int
+    world_size: int
+    strategy: str
+    dp: int
+    cp: int
+    initial_loss: float | None
+    final_loss: float | None
+    history: list[dict[str, Any]]
+    samples_per_s: float | None
+    voxels_per_s: float | None
+    mfu: float | None
+    mfu_peak_flops: float
+    model_url: str
+    seconds: float
+    flops_per_sample: float
+    snapshots: dict[str, str]  # step -> exported model, part-way through
+    health: dict[str, int]  # skipped_nonfinite, rollbacks
+    rank_weight_digests: list[str] | None  # replicated strategies: one per rank, all equal
+    finished_at: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Trainer:
+    """One process's part of a training job. ``train()`` reads as the loop; the pieces it calls
+    build the model and its parallel shell, resume, feed the data, handle a non-finite step, and
+    export at the end."""
+
+    def __init__(self, job: dict[str, Any], cfg: JobConfig, accelerator, layout: Layout, precision: str,
+                 watchdog: Watchdog, heartbeat: Heartbeat, guard: NonFiniteGuard, faults: Faults):
+        self.job, self.cfg, self.accelerator, self.layout = job, cfg, accelerator, layout
+        self.precision, self.watchdog, self.heartbeat, self.guard, self.faults = (
+            precision, watchdog, heartbeat, guard, faults)
+        self.run_root = job["run_root"]
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.main = accelerator.is_main_process
+        self.strategy = cfg.dist.strategy if self.world > 1 else "single"
+        self.sharded = self.strategy.startswith("fsdp2")
+        self.micro_batches = max(1, cfg.train.grad_accum)
+        self.step = 0  # optimiser steps done
+        self.batch = 0  # this rank's batch number in the data stream (mask noise is keyed on it)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    def train(self) -> TrainSummary | None:
+        cfg = self.cfg.train
+        self.build()
+        resumed = self.resume()
+        self.open_data(resumed)
+        self.start_metrics(resumed)
+        snapshot_steps = self.snapshot_steps()
+        try:
+            while self.step < cfg.max_steps:
+                result = self.train_step(self._batches, self.micro_batches)
+                verdict = self.guard.observe(result.applied)
+                if verdict == ROLLBACK:
+                    self.roll_back()
+                    continue
+                if verdict == SKIP:
+                    log.warning("step %d: non-finite loss or gradient norm (losses %s, grad norm %s); update skipped "
+                                "(%d in a row, %d in this run)", self.step + 1, result.losses.tolist(),
+                                float(result.grad_norm), self.guard.consecutive, self.guard.skipped)
+                self.step += 1
+                self.watchdog.progress(self.step)
+                self.metrics.record(result.losses)
+                last = self.step == cfg.max_steps
+                log_now = self.step % cfg.log_every == 0 or last
+                save_now = self.checkpointer.due(self.step, last)
+                if log_now or save_now:  # a checkpoint holds the loss of every step before it
+                    self.metrics.flush(self.step)
+                if log_now:
+                    self.metrics.log(self.step, self.scheduler.get_last_lr()[0])
+                self.metrics.bar.update(1)
+                if self.step in snapshot_steps and not last:
+                    with self.metrics.paused():
+                        self.export(self.snapshot_url(self.step))
+                if save_now:
+                    with self.metrics.paused():
+                        self.checkpointer.save(self.step, self.checkpoint_meta())
+                        self.watchdog.progress(self.step)
+        finally:
+            self.metrics.close()
+            self.stream.close()
+        return self.finish(resumed, snapshot_steps)
+
+    # ---- the pieces -------------------------------------------------------------------------------
+
+    def build(self) -> None:
+        """The model, what the step runs (a context-parallel shell, a dp strategy), the optimiser,
+        the schedule, the checkpointer and the step."""
+        cfg, acc, layout = self.cfg, self.accelerator, self.layout
+        torch.manual_seed(cfg.data.seed)  # identical initial weights on every rank
+        self.mcfg = mcfg = model_config_for(cfg)
+        model = build_model(mcfg)
+        if cfg.train.init_from:
+            model.load_state_dict(load_model(cfg.train.init_from).state_dict())
+            log.info("initialised from %s", cfg.train.init_from)
+        apply_training_options(model, grad_checkpointing=cfg.train.grad_checkpointing, compile=cfg.train.compile)
+        self.model = model.to(acc.device)
+        self.slab = None
+        step_model: torch.nn.Module = self.model
+        if layout.cp > 1:
+            from sfm.distributed.context_parallel import ContextParallelMAE, cp_kept_tokens, crop_slab
+
+            self.slab = crop_slab(mcfg.crop, mcfg.patch, layout.cp_rank, layout.cp)
+            step_model = ContextParallelMAE(self.model, cp_group(layout), mcfg.crop)
+            kept, tokens = cp_kept_tokens(mcfg.num_patches, mcfg.mask_ratio, layout.cp), mcfg.num_patches
+            if self.main:
+                log.info("context parallel: dp %d x cp %d; each rank reads inline voxels [%d, %d) of every crop and "
+                         "holds 1/%d of its %d tokens; %d kept tokens, effective mask ratio %.4f (configured %.4f)",
+                         layout.dp, layout.cp, self.slab.start, self.slab.stop, layout.cp, tokens, kept,
+                         1 - kept / tokens, mcfg.mask_ratio)
+        if self.world > 1:
+            step_model = strategies.apply_strategy(step_model, cfg.dist.strategy,
+                                                   units=strategies.sharding_units(self.model))
+        self.step_model = step_model
+        self.optimizer = build_optimizer(step_model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                                         betas=cfg.train.betas)
+        lr_of_step = schedule(cfg)
+        # stepped by hand once per optimiser step, whatever the world size
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_of_step(s) / cfg.train.lr)
+        torch.manual_seed(cfg.data.seed * 1000 + 17 + self.rank)
+        self.checkpointer = checkpoint.Checkpointer(
+            storage.join(self.run_root, "ckpt"), acc, self.model, step_model, self.optimizer, self.scheduler,
+            sharded=self.sharded, every=cfg.train.checkpoint_every, keep=cfg.train.keep_checkpoints)
+        reduce_sum = (lambda t: acc.reduce(t, "sum")) if self.world > 1 else None
+        self.noise_gen = torch.Generator(device=acc.device)
+        self.train_step = TrainStep(
+            step_model, self.optimizer, self.scheduler, grad_clip=cfg.train.grad_clip, autocast=acc.autocast,
+            no_sync=(lambda: strategies.no_sync(step_model)) if self.world > 1 else None, backward=acc.backward,
+            clip_grad_norm=lambda _params, max_norm: strategies.clip_grad_norm(step_model, max_norm),
+            check_finite=lambda losses, norm: all_ranks_finite(losses, norm, reduce=reduce_sum),
+            mask_noise=self.mask_noise,
+        )
+
+    def resume(self) -> dict[str, Any] | None:
+        """Continue from the newest checkpoint every rank can read, or start (writing the job config)."""
+        resumed = self.checkpointer.load()
+        if resumed is not None:
+            self.step = int(resumed["state"]["step"])
+            self.guard.load_state_dict(resumed["state"].get("health", {}))
+            log.info("resumed from %s at step %d", resumed["url"], self.step)
+        elif self.main:
+            storage.write_bytes(storage.join(self.run_root, "job_config.json"), self.cfg.to_json().encode())
+        return resumed
+
+    def start_metrics(self, resumed: dict[str, Any] | None) -> None:
+        """Trackers, the resumed run's RNG states, and the metrics logger with the resumed history."""
+        history = resumed["state"]["history"] if resumed is not None else []
+        cfg, layout, acc = self.cfg, self.layout, self.accelerator
+        self.accelerator.init_trackers("sfm-pretrain", config={"preset": cfg.model.preset, "world_size": self.world,
+                                                               "strategy": self.strategy, "cp": layout.cp})
+        self.metrics = MetricsLogger(
+            acc, self.heartbeat, self.guard, max_steps=cfg.train.max_steps, start_step=self.step, history=history,
+            samples_per_step=self.micro_batches * cfg.data.batch_size * layout.dp,  # cp ranks share samples
+            voxels_per_sample=math.prod(cfg.data.crop),
+            flops_per_sample=train_flops_per_sample(self.mcfg),
+            peak_flops=peak_flops(acc.device, torch.bfloat16 if self.precision == "bf16" else torch.float32))
+        if resumed is not None and resumed["rng"] is not None:  # last: measuring the peak above draws numbers
+            checkpoint.set_rng_state(resumed["rng"])
+
+    def open_data(self, resumed: dict[str, Any] | None) -> None:
+        """This rank's batch stream, at the position saved with the checkpoint. The cp ranks of a dp
+        group draw the same crops; each reads only its inline slab of them."""
+        layout = self.layout
+        on_slab = {"slab": (self.slab.start, self.slab.stop)} if self.slab is not None else {}
+        self.stream = training_stream(self.job["surveys"], self.cfg.data, rank=layout.dp_rank,
+                                      world_size=layout.dp, start_batch=self.step * self.micro_batches, **on_slab)
+        state = resumed["state"].get("data") if resumed is not None else None
+        if state is not None and state.get("world_size") == layout.dp:
+            self.stream.load_state_dict(state)
+        self._batches = self._feed()
+
+    def _feed(self):
+        for batch in self.stream:
+            self.batch = self.stream.batch - 1
+            yield self.faults.apply(self.step + 1, batch).to(self.accelerator.device, non_blocking=True)
+
+    def mask_noise(self, _micro: int, imgs: torch.Tensor) -> torch.Tensor:
+        """The MAE mask noise [N, L] of this rank's share of the global batch at the stream's position:
+        every rank draws the whole dp batch's noise from one seed and keeps its rows, so masks depend on
+        the samples, not on the number of ranks (a 2-rank run equals a 1-rank run with the same global
+        batch) or on any RNG state (a resumed run continues exactly). cp ranks share their rows."""
+        n, layout = imgs.shape[0], self.layout
+        self.noise_gen.manual_seed((self.cfg.data.seed * 1_000_003 + self.batch) % (2**63))
+        every = torch.rand(layout.dp * n, self.mcfg.num_patches, generator=self.noise_gen,
+                           device=self.accelerator.device)
+        return every[layout.dp_rank * n:(layout.dp_rank + 1) * n]
+
+    def roll_back(self) -> None:
+        """Too many non-finite steps in a row: back to the newest checkpoint; the data stream goes on
+        past the bad batches."""
+        with self.metrics.paused():
+            back = self.checkpointer.load()
+            if back is None:
+                raise SFMError(f"{self.guard.consecutive} non-finite steps in a row before the first checkpoint; "
+                               "lower train.lr or raise train.warmup_steps, or checkpoint sooner "
+                               "(train.checkpoint_every)")
+            self.guard.rolled_back()
+            log.warning("rolled back to %s after %d non-finite steps in a row (rollback %d of %d); the data "
+                        "stream continues past the bad batches", back["url"], self.guard.max_consecutive,
+                        self.guard.rollbacks, self.guard.max_rollbacks)
+            self.step = int(back["state"]["step"])
+            self.metrics.rewind(self.step, back["state"]["history"])
+            self.watchdog.progress(self.step)
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {"data": self.stream.state_dict(), "history": self.metrics.history, "health": self.guard.state_dict(),
+                "strategy": self.strategy, "world_size": self.world, "cp": self.layout.cp}
+
+    def snapshot_steps(self) -> set[int]:
+        t = self.cfg.train
+        return {max(1, round(f * t.max_steps)) for f in t.snapshots if 0 < f < 1}
+
+    def snapshot_url(self, step: int) -> str:
+        return storage.join(self.run_root, "snapshots", f"step-{step:06d}")
+
+    def export(self, url: str) -> None:
+        """The full model to ``url`` from the main process (sharded: rank 0 gathers the shards into a
+        fresh model first, a collective)."""
+        model = self.model
+        if self.sharded:
+            full = strategies.full_state_dict(self.step_model)
+            if self.main:
+                model = build_model(self.mcfg)
+                model.load_state_dict(full)
+        if self.main:
+            save_model(model, url, {"job": self.cfg.to_dict()})
+
+    def finish(self, resumed: dict[str, Any] | None, snapshot_steps: set[int]) -> TrainSummary | None:
+        """Export the model, write the summary (main process), flush the trackers."""
+        cfg, layout, acc = self.cfg, self.layout, self.accelerator
+        start_step = int(resumed["state"]["step"]) if resumed is not None else 0
+        final_url = storage.join(self.run_root, "final")
+        self.export(final_url)
+        digests = replica_digests(self.model) if self.world > 1 and not self.sharded else None  # a collective
+        summary = None
+        if self.main:
+            history = self.metrics.history
+            finite = [h["loss"] for h in history if h["loss"] is not None]
+            speed = self.metrics.latest()
+            steps_run = cfg.train.max_steps - start_step
+            summary = TrainSummary(
+                steps=cfg.train.max_steps, steps_this_attempt=steps_run, resumed_from_step=start_step,
+                world_size=self.world, strategy=self.strategy, dp=layout.dp, cp=layout.cp,
+                initial_loss=finite[0] if finite else None, final_loss=finite[-1] if finite else None,
+                history=history, samples_per_s=speed.get("samples_per_s"), voxels_per_s=speed.get("voxels_per_s"),
+                mfu=speed.get("mfu"), mfu_peak_flops=self.metrics.peak_flops, model_url=final_url,
+                seconds=time.perf_counter() - self.metrics.started,
+                flops_per_sample=self.metrics.flops_per_sample,
+                snapshots={str(s): self.snapshot_url(s) for s in sorted(snapshot_steps) if s < cfg.train.max_steps},
+                health={"skipped_nonfinite": self.guard.skipped, "rollbacks": self.guard.rollbacks},
+                rank_weight_digests=digests, finished_at=dt.datetime.now(dt.timezone.utc).isoformat())
+            storage.write_bytes(storage.join(self.run_root, "summary.json"),
+                                json.dumps(summary.to_dict(), indent=1).encode())
+            print(f"sfm train: {steps_run} steps ({start_step}->{cfg.train.max_steps}) on {self.world} rank(s) "
+                  f"({self.strategy}, dp {layout.dp} x cp {layout.cp}) in {summary.seconds:.1f}s, loss "
+                  f"{summary.initial_loss:.4f} -> {summary.final_loss:.4f}, {summary.samples_per_s or 0:.1f} "
+                  f"samples/s, MFU {summary.mfu or 0:.1%}", file=sys.stderr)
+        acc.wait_for_everyone()
+        return summary
+
+
+def train(job: dict[str, Any]) -> TrainSummary | None:
+    """Run (or continue) one training job; returns the summary on the main process."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    cfg = JobConfig.from_dict(job["config"])
+    run_root = job["run_root"]
+    cuda = torch.cuda.is_available()
+    precision = cfg.train.mixed_precision if cfg.train.mixed_precision != "auto" else ("bf16" if cuda else "no")
+    backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if cuda else "gloo")
+    # under torchrun: one process group over all ranks; run directly: a single process, no group.
+    # The timeout bounds every collective: a dead rank fails the others instead of hanging them.
+    group = [InitProcessGroupKwargs(backend=backend, timeout=dt.timedelta(seconds=cfg.dist.timeout_s))]
+    tb_dir = tempfile.mkdtemp(prefix="sfm-tb-")
+    accelerator = Accelerator(
+        cpu=not cuda, mixed_precision=precision, log_with="tensorboard", project_dir=tb_dir,
+        kwargs_handlers=group if "WORLD_SIZE" in os.environ else [],
+    )
+    if cfg.train.threads_per_process > 0:  # after Accelerator, which sets its own default on CPU
+        torch.set_num_threads(cfg.train.threads_per_process)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    main = accelerator.is_main_process
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
+    cfg.check_parallelism(world)  # the processes torchrun started, whatever the config says
+    h = cfg.health
+    watchdog = Watchdog(h.step_timeout_s, first_timeout_s=h.first_step_timeout_s).start()
+    heartbeat = Heartbeat(run_root, every_s=h.heartbeat_every_s, max_steps=cfg.train.max_steps, enabled=main,
+                          world_size=world)
+    guard = NonFiniteGuard(h.max_nonfinite_in_a_row, h.max_rollbacks)
+    faults = Faults(os.environ.get("SFM_INJECT_FAULTS", ""), run_root, enabled=main)
+    try:
+        summary = Trainer(job, cfg, accelerator, Layout.of(rank, world, cfg.dist.cp), precision, watchdog, heartbeat,
+                          guard, faults).train()
+    except BaseException as err:
+        if main:
+            with contextlib.suppress(Exception):
+                heartbeat.finish(watchdog.last_step or 0, status="failed", error=type(err).__name__)
+        raise
+    finally:
+        watchdog.stop()
+    accelerator.end_training()  # flushes the trackers and ends the process group
+    if main:
+        storage.upload(tb_dir, storage.join(run_root, "tensorboard"))
+        heartbeat.finish(cfg.train.max_steps, loss=summary.final_loss, samples_per_s=summary.samples_per_s,
+                         skipped_nonfinite=guard.skipped, rollbacks=guard.rollbacks)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m sfm.train.trainer JOB.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as fh:
+        job = json.load(fh)
+    try:
+        train(job)
+    except SFMError as err:
+        print(f"sfm train: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
