@@ -129,3 +129,11 @@ def metaflow_env(tmp_path, monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     return env
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests under tests/integration/ (flows, several processes, S3 servers) carry the ``integration``
+    marker: ``pytest -m "not integration"`` runs the unit tests alone, in a few minutes."""
+    for item in items:
+        if "integration" in Path(str(item.fspath)).parts:
+            item.add_marker(pytest.mark.integration)

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from s3_rclone import rclone_s3  # noqa: F401  (fixture)
+from support.s3_rclone import rclone_s3  # noqa: F401  (fixture)
 from sfm import data
 from sfm.storage.ranged_get import RangeReadError, S3RangeReader, reachable_directly
 

@@ -21,33 +21,15 @@ from safetensors.torch import load as load_safetensors
 
 from sfm import storage
 from sfm.train import checkpoint
+from support.training import assert_close, final_weights, make_job, make_survey_store
 
 MAX_STEPS, EVERY = 40, 5
-PROJECT = Path(__file__).resolve().parents[1]
-
-
-def make_survey_store(tmp_path_factory, seed: int) -> str:
-    """One small synthetic survey (48 x 48 x 64), ingested into a Zarr store of 32^3 bricks."""
-    from sfm.ingest.survey import ingest_survey
-    from sfm.ingest.synth import synth_survey
-
-    tmp = tmp_path_factory.mktemp("survey")
-    synth_survey(str(tmp / "s.sgy"), shape=(48, 48, 64), seed=seed)
-    return ingest_survey(str(tmp / "s.sgy"), str(tmp / "root"), chunk=32)["store_url"]
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def survey_store(tmp_path_factory) -> str:
     return make_survey_store(tmp_path_factory, seed=3)
-
-
-def make_job(store: str, run_root: str) -> dict:
-    config = {
-        "data": {"batch_size": 4, "crop": [32, 32, 32]},
-        "train": {"max_steps": MAX_STEPS, "checkpoint_every": EVERY, "log_every": 10, "warmup_steps": 5,
-                  "keep_checkpoints": 2, "threads_per_process": 1},
-    }
-    return {"config": config, "surveys": [store], "run_root": run_root}
 
 
 def start_training(job: dict, workdir: Path, name: str) -> tuple[subprocess.Popen, Path]:
@@ -83,17 +65,6 @@ def kill_after_first_checkpoint(proc: subprocess.Popen, ckpt_root: str, log: Pat
     assert steps and steps[-1] < MAX_STEPS, f"killed too late to test anything: checkpoints {steps}"
     return steps
 
-
-def assert_close(got: torch.Tensor, ref: torch.Tensor, name: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    """Elementwise |got - ref| <= atol + rtol * |ref| (not torch.testing: after metaflow is imported,
-    its lazy import of torch.distributed.tensor trips over metaflow's vendored typing_extensions)."""
-    assert got.shape == ref.shape and got.dtype == ref.dtype, name
-    excess = ((got - ref).abs() - (atol + rtol * ref.abs())).max().item()
-    assert excess <= 0, f"{name}: max |diff| {(got - ref).abs().max().item():.3g} beyond tolerance"
-
-
-def final_weights(run_root: str) -> dict[str, torch.Tensor]:
-    return load_safetensors(storage.read_bytes(storage.join(run_root, "final", "model.safetensors")))
 
 
 def assert_same_run(got: dict, ref: dict, run_root: str, ref_root: str) -> None:

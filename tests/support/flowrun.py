@@ -57,3 +57,21 @@ def client_view(pathspec: str, env: dict[str, str], cwd: str | None = None) -> d
         if line.startswith("CLIENT-JSON "):
             return json.loads(line[len("CLIENT-JSON "):])
     raise AssertionError(f"client read failed:\n{proc.stdout}\n{proc.stderr}")
+
+
+FAST_JOB = {
+    "data": {"batch_size": 4},
+    "train": {"log_every": 5, "warmup_steps": 5, "keep_checkpoints": 2, "threads_per_process": 1},
+    "eval": {"crops": 4, "batch_size": 4, "downstream": False},
+}
+
+
+def fast_job_toml(**sections: dict) -> str:
+    """The one fast-job config of the flow tests (small batches, a short evaluation, no downstream
+    fine-tuning) with ``sections`` merged on top, e.g. ``fast_job_toml(train={"max_steps": 25})``."""
+    from sfm.config import toml_text
+
+    merged = {name: dict(values) for name, values in FAST_JOB.items()}
+    for name, values in sections.items():
+        merged.setdefault(name, {}).update(values)
+    return toml_text(merged)

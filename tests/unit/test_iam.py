@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from s3_request_log import Call, Request, allowed, s3_calls
+from support.s3_request_log import Call, Request, allowed, s3_calls
 
 from sfm.storage import iam
 from sfm.errors import SFMError

@@ -13,15 +13,15 @@ import sys
 import time
 from pathlib import Path
 
-import ingest_cases as cases
+from support import ingest_cases as cases
 import numpy as np
 import pytest
-from test_ingest import Backend, backend  # noqa: F401  (the local/S3 fixture)
+from support.ingest_cases import Backend, backend  # noqa: F401  (the local/S3 fixture)
 
 from sfm.ingest import manifest
 from sfm.ingest.survey import ingest_survey
 
-PROJECT = Path(__file__).resolve().parents[1]
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 def store_keys(b: Backend, root: str | None = None) -> list[str]:

@@ -21,7 +21,7 @@ from sfm.errors import SFMError
 from sfm.ingest.geology import synthesize_volume
 from sfm.ingest.synth import synth_survey, write_segy
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHAPE = (6, 5, 64)  # IL, XL, NS: small, and IL != XL so a transposed cube cannot pass by accident
 TRACE_BYTES = {1: 4, 3: 2, 5: 4, 8: 1}
 
@@ -282,14 +282,6 @@ def test_data_looks_seismic():
     assert neighbour_corr > 0.6
 
     assert not np.array_equal(amplitude, synthesize_volume((16, 16, 256), 6)[0])
-
-
-def test_generation_is_fast():
-    import time
-
-    started = time.perf_counter()
-    synthesize_volume((128, 128, 256), 0)
-    assert time.perf_counter() - started < 5.0
 
 
 # --- user errors -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_data import stream, surveys  # noqa: F401 (surveys: the same two holed surveys, a fixture)
+from support.crop_stores import stream, surveys  # noqa: F401 (surveys: the same two holed surveys, a fixture)
 from sfm import data
 from sfm.config import JobConfig
 from sfm.distributed.context_parallel import crop_slab

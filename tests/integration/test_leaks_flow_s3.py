@@ -23,8 +23,8 @@ from urllib.parse import quote, quote_plus
 
 import pytest
 from conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
-from flowrun import run_flow
-from s3_request_log import S3RequestLog, allowed, s3_calls
+from support.flowrun import run_flow
+from support.s3_request_log import S3RequestLog, allowed, s3_calls
 
 from sfm.storage import iam
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from flowrun import run_flow
+from support.flowrun import run_flow
 
 
 @pytest.mark.timeout(300)
@@ -43,18 +43,3 @@ def test_bad_job_settings_fail_in_start_before_any_ingest(tmp_path, metaflow_env
     assert "Traceback" not in output and "/ingest/" not in output, output[-3000:]  # failed in start
     assert output.count("/start/1 ") and "Retrying" not in output
     assert not (data_root / "surveys").exists() and not (data_root / "manifest").exists()
-
-
-def test_job_settings_are_validated_with_the_key_and_the_fix():
-    from sfm import pipeline
-    from sfm.errors import SFMError
-
-    for kwargs, words in ((dict(max_steps=-5), "train.max_steps = -5 must be at least 1; pass a positive --max-steps"),
-                          (dict(preset="gigantic"), "valid presets are tiny, mini"),
-                          (dict(config={"data": {"augment": "rotate"}}), "data.augment names rotate"),
-                          (dict(config={"train": {"snapshots": [1.5]}}), "train.snapshots"),
-                          (dict(config={"data": {"client": "curl"}}), "data.client = 'curl' is not valid")):
-        config = kwargs.pop("config", {})
-        with pytest.raises(SFMError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
-            pipeline.job_config(config, **kwargs)
-    pipeline.job_config({})  # the defaults pass

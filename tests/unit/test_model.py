@@ -13,7 +13,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from sfm.model import (
     PRESETS,
     MAEConfig,
-    MaskedAutoencoder3D,
     PatchEmbed3D,
     build_model,
     mae_config,
@@ -387,7 +386,3 @@ def test_model_package_imports_only_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"sfm.model imported {out.stdout.strip()}"
-
-
-def test_model_is_built_from_the_class():
-    assert isinstance(build_model(mae_config("tiny")), MaskedAutoencoder3D)

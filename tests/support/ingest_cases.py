@@ -6,12 +6,16 @@ store, so tests compare the store against an independent expectation.
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import numpy as np
+import pytest
 import segyio
+import zarr
 
-from sfm.ingest import synth
+from sfm import storage
+from sfm.ingest import manifest, synth
 
 FILE_HEADER = 3600
 TRACE_HEADER = 240
@@ -127,3 +131,45 @@ def strip_trace_header_extensions(src: Path, dst: Path) -> Path:
     head[3506:3508] = b"\x00\x00"
     Path(dst).write_bytes(bytes(head) + kept.tobytes())
     return Path(dst)
+
+
+class Backend:
+    """Where sources and the data root live: a local folder, or a bucket on the loopback S3 server."""
+
+    def __init__(self, kind: str, tmp: Path, s3=None):
+        self.kind = kind
+        self.tmp = tmp
+        if kind == "s3":
+            self.bucket = s3.make_bucket(f"ingest-{uuid.uuid4().hex[:10]}")
+            self.s3 = s3
+            self.root = f"{self.bucket}/root"
+        else:
+            self.root = str(tmp / "root")
+
+    def source(self, path: Path) -> str:
+        if self.kind == "local":
+            return str(path)
+        url = f"{self.bucket}/landing/{Path(path).name}"
+        storage.upload(path, url)
+        return url
+
+    def group(self, store_url: str):
+        return zarr.open_group(storage.zarr_store(store_url, read_only=True), mode="r")
+
+    def published(self) -> list[str]:
+        return list(manifest.read(self.root)["survey_id"])
+
+    def stores(self) -> list[str]:
+        """Everything under surveys/ (object keys or file paths)."""
+        if self.kind == "s3":
+            bucket = self.bucket[len("s3://"):]
+            return [k for k in self.s3.keys(bucket, "root/surveys/")]
+        base = Path(self.root) / "surveys"
+        return [str(p) for p in base.rglob("*") if p.is_file()] if base.exists() else []
+
+
+@pytest.fixture(params=["local", "s3"])
+def backend(request, tmp_path) -> Backend:
+    if request.param == "s3":
+        return Backend("s3", tmp_path, request.getfixturevalue("s3_env"))
+    return Backend("local", tmp_path)

@@ -7,9 +7,12 @@ statistics are what ingest derives from such a file.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
+from sfm import data
 from sfm.ingest import survey as ingest
 from sfm.ingest import synth
 
@@ -55,3 +58,19 @@ def survey_with_holes(tmp: Path, data_root: str, shape=(48, 40, 64), seed: int =
     amplitude, live = segy_with_holes(sgy, shape, seed)
     row = ingest.ingest_survey(str(sgy), data_root, chunk=chunk, **ingest_options)
     return row["store_url"], amplitude, live
+
+
+@pytest.fixture(scope="module")
+def surveys(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("crops")
+    root = str(tmp / "root")
+    a_url, a_amp, a_live = survey_with_holes(tmp, root, shape=(48, 40, 64), seed=0)
+    b_url, b_amp, b_live = survey_with_holes(tmp, root, shape=(40, 40, 48), seed=1)
+    return SimpleNamespace(tmp=tmp, urls=[a_url, b_url], amp=[a_amp, b_amp], live=[a_live, b_live])
+
+
+def stream(urls, *, batch=4, rank=0, world=1, workers=0, start=0, num_batches=None, **sampler_kw):
+    """A BatchStream over ``urls`` (16^3 crops unless ``crop=`` says otherwise)."""
+    sampler = data.CropSampler(urls, sampler_kw.pop("crop", (16, 16, 16)), **sampler_kw)
+    dataset = data.CropDataset(sampler, batch, rank, world, start_batch=start, num_batches=num_batches)
+    return data.BatchStream(dataset, workers=workers)

@@ -12,31 +12,15 @@ import json
 from pathlib import Path
 
 import pytest
-from flowrun import client_view, run_flow
+from support.flowrun import client_view, fast_job_toml, run_flow
 
 from sfm.train import health
 
 STEP_TIMEOUT_S = 15
-JOB_TOML = f"""
-[data]
-batch_size = 4
-[train]
-max_steps = 25
-checkpoint_every = 5
-log_every = 5
-warmup_steps = 5
-threads_per_process = 1
-[health]
-max_nonfinite_in_a_row = 3
-max_rollbacks = 1
-step_timeout_s = {STEP_TIMEOUT_S}
-first_step_timeout_s = 300
-heartbeat_every_s = 0
-[eval]
-crops = 4
-batch_size = 4
-downstream = false
-"""
+JOB_TOML = fast_job_toml(
+    train={"max_steps": 25, "checkpoint_every": 5},
+    health={"max_nonfinite_in_a_row": 3, "max_rollbacks": 1, "step_timeout_s": STEP_TIMEOUT_S,
+            "first_step_timeout_s": 300, "heartbeat_every_s": 0})
 
 
 @pytest.mark.timeout(900)

@@ -12,7 +12,8 @@ import sys
 import uuid
 from pathlib import Path
 
-import ingest_cases as cases
+from support import ingest_cases as cases
+from support.ingest_cases import Backend, backend  # noqa: F401  (the local/S3 fixture)
 import numpy as np
 import pytest
 import segyio
@@ -33,47 +34,6 @@ INVALID = {  # file -> words its own error must contain
     "text.sgy": "no traces",
 }
 
-
-class Backend:
-    """Where sources and the data root live: a local folder, or a bucket on the loopback S3 server."""
-
-    def __init__(self, kind: str, tmp: Path, s3=None):
-        self.kind = kind
-        self.tmp = tmp
-        if kind == "s3":
-            self.bucket = s3.make_bucket(f"ingest-{uuid.uuid4().hex[:10]}")
-            self.s3 = s3
-            self.root = f"{self.bucket}/root"
-        else:
-            self.root = str(tmp / "root")
-
-    def source(self, path: Path) -> str:
-        if self.kind == "local":
-            return str(path)
-        url = f"{self.bucket}/landing/{Path(path).name}"
-        storage.upload(path, url)
-        return url
-
-    def group(self, store_url: str):
-        return zarr.open_group(storage.zarr_store(store_url, read_only=True), mode="r")
-
-    def published(self) -> list[str]:
-        return list(manifest.read(self.root)["survey_id"])
-
-    def stores(self) -> list[str]:
-        """Everything under surveys/ (object keys or file paths)."""
-        if self.kind == "s3":
-            bucket = self.bucket[len("s3://"):]
-            return [k for k in self.s3.keys(bucket, "root/surveys/")]
-        base = Path(self.root) / "surveys"
-        return [str(p) for p in base.rglob("*") if p.is_file()] if base.exists() else []
-
-
-@pytest.fixture(params=["local", "s3"])
-def backend(request, tmp_path) -> Backend:
-    if request.param == "s3":
-        return Backend("s3", tmp_path, request.getfixturevalue("s3_env"))
-    return Backend("local", tmp_path)
 
 
 def segyio_reference(path: Path, endian: str) -> dict:

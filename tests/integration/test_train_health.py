@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train_resume import final_weights, make_job, make_survey_store
+from support.training import final_weights, make_job, make_survey_store
 
 from sfm.train import checkpoint
 from sfm.train import health
 
-PROJECT = Path(__file__).resolve().parents[1]
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

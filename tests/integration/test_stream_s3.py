@@ -15,8 +15,8 @@ import threading
 import pytest
 import torch
 
-from crop_stores import survey_with_holes
-from s3_rclone import fault_proxy, rclone_s3  # noqa: F401  (fixtures)
+from support.crop_stores import survey_with_holes
+from support.s3_rclone import fault_proxy, rclone_s3  # noqa: F401  (fixtures)
 from sfm import data
 from sfm.errors import SFMError
 

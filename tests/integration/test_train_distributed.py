@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train_resume import assert_close, final_weights, make_job, make_survey_store
+from support.training import assert_close, env_of, final_weights, make_job, make_survey_store
 
 from sfm.train import checkpoint
 from sfm.distributed.launch import free_port
 
-PROJECT = Path(__file__).resolve().parents[1]
+PROJECT = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 10, 5
 # 32^3 crops of 8^3 patches: 64 tokens; 15 kept (+ cls = 16) divides by cp = 2, so cp leaves the mask ratio as is
 MASK_RATIO = 0.765625
@@ -178,10 +178,3 @@ def _children(pid: int) -> list[int]:
     return [p.pid for p in psutil.Process(pid).children(recursive=True)]
 
 
-def env_of(pid: int) -> dict[str, str]:
-    """The environment process ``pid`` started with ({} once it is gone)."""
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return {}
-    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)

@@ -16,7 +16,7 @@ from sfm.model.hardware import datasheet_peak_flops, matmul_flops
 from sfm.model import build_model, mae_config
 from sfm.train.step import TrainStep, apply_training_options, build_optimizer, lr_at, throughput
 
-PROJECT = Path(__file__).resolve().parents[1]
+PROJECT = Path(__file__).resolve().parents[2]
 torch.set_num_threads(1)
 
 

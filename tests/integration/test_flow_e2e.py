@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from flowrun import client_view, run_flow
+from support.flowrun import client_view, run_flow
 
 EXPECTED_STEPS = {"start", "ingest", "join", "launch", "pretrain", "evaluate", "register", "end"}
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import free_port
 from sfm.storage.clients import user_error
 
-PROJECT = Path(__file__).resolve().parents[1]
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 def run_ingest(tmp_path, **env):

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from flowrun import client_view, run_flow
+from support.flowrun import client_view, run_flow
 from PIL import Image
 
 _CARD_SCRIPT = r"""

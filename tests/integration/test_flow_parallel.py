@@ -14,36 +14,17 @@ import json
 from pathlib import Path
 
 import pytest
-from flowrun import client_view, run_flow
+from support.flowrun import client_view, fast_job_toml, run_flow
 from safetensors.torch import load_file
-from test_resume_flow import Killer, run_killed_twice
-from test_train_distributed import env_of
-from test_train_resume import assert_close
+from support.training import Killer, assert_close, env_of, run_killed_twice
 
 MAX_STEPS, EVERY, TIMEOUT_S = 30, 5, 30
 MASK_RATIO = 0.765625  # 32^3 crops of 8^3 patches keep 15 tokens (+ cls = 16): cp = 2 leaves it unchanged
 
 
 def job_toml(batch: int) -> str:
-    return f"""
-[data]
-batch_size = {batch}
-[model]
-mask_ratio = {MASK_RATIO}
-[train]
-max_steps = {MAX_STEPS}
-checkpoint_every = {EVERY}
-log_every = 5
-warmup_steps = 5
-keep_checkpoints = 2
-threads_per_process = 1
-[dist]
-timeout_s = {TIMEOUT_S}
-[eval]
-crops = 4
-batch_size = 4
-downstream = false
-"""
+    return fast_job_toml(data={"batch_size": batch}, model={"mask_ratio": MASK_RATIO},
+                         train={"max_steps": MAX_STEPS, "checkpoint_every": EVERY}, dist={"timeout_s": TIMEOUT_S})
 
 
 def rank1(pids: list[int]) -> list[int]:

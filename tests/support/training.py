@@ -1,10 +1,5 @@
-"""The pretrain step of ``flows/pretrain_flow.py`` survives being killed.
-
-Its training processes (torchrun and the rank it runs) are SIGKILLed as soon as a checkpoint exists;
-``@retry`` starts the step again and it continues from that checkpoint; that attempt is killed too,
-the run fails, and ``python flows/pretrain_flow.py resume`` finishes it from the newest checkpoint.
-The final weights equal those of the same job trained without interruption.
-"""
+"""Helpers of the training, resume and flow-kill tests: small survey stores and jobs, the exported
+weights, tolerant comparisons, and finding and killing a run's training processes."""
 
 from __future__ import annotations
 
@@ -16,29 +11,58 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import pytest
-from flowrun import client_view, run_flow
-from safetensors.torch import load_file
-from test_train_resume import assert_close
+import torch
+from safetensors.torch import load as load_safetensors
 
+from sfm import storage
 from sfm.train import checkpoint
+from support.flowrun import run_flow
 
-MAX_STEPS, EVERY = 60, 5
-JOB_TOML = f"""
-[data]
-batch_size = 4
-[train]
-max_steps = {MAX_STEPS}
-checkpoint_every = {EVERY}
-log_every = 10
-warmup_steps = 5
-keep_checkpoints = 2
-threads_per_process = 1
-[eval]
-crops = 4
-batch_size = 4
-downstream = false
-"""
+
+def make_survey_store(tmp_path_factory, seed: int) -> str:
+    """One small synthetic survey (48 x 48 x 64), ingested into a Zarr store of 32^3 bricks."""
+    from sfm.ingest.survey import ingest_survey
+    from sfm.ingest.synth import synth_survey
+
+    tmp = tmp_path_factory.mktemp("survey")
+    synth_survey(str(tmp / "s.sgy"), shape=(48, 48, 64), seed=seed)
+    return ingest_survey(str(tmp / "s.sgy"), str(tmp / "root"), chunk=32)["store_url"]
+
+
+
+def make_job(store: str, run_root: str, max_steps: int = 40, every: int = 5) -> dict:
+    """A one-survey training job of ``max_steps`` steps, checkpointed every ``every``."""
+    config = {
+        "data": {"batch_size": 4, "crop": [32, 32, 32]},
+        "train": {"max_steps": max_steps, "checkpoint_every": every, "log_every": 10, "warmup_steps": 5,
+                  "keep_checkpoints": 2, "threads_per_process": 1},
+    }
+    return {"config": config, "surveys": [store], "run_root": run_root}
+
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor, name: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Elementwise |got - ref| <= atol + rtol * |ref| (not torch.testing: after metaflow is imported,
+    its lazy import of torch.distributed.tensor trips over metaflow's vendored typing_extensions)."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype, name
+    excess = ((got - ref).abs() - (atol + rtol * ref.abs())).max().item()
+    assert excess <= 0, f"{name}: max |diff| {(got - ref).abs().max().item():.3g} beyond tolerance"
+
+
+
+def final_weights(run_root: str) -> dict[str, torch.Tensor]:
+    return load_safetensors(storage.read_bytes(storage.join(run_root, "final", "model.safetensors")))
+
+
+
+def env_of(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` started with ({} once it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
+
 
 
 def training_processes(data_root: Path) -> list[int]:
@@ -61,6 +85,7 @@ def training_processes(data_root: Path) -> list[int]:
         if str(job.get("run_root", "")).startswith(str(data_root)):
             pids.append(int(entry.name))
     return pids
+
 
 
 class Killer(threading.Thread):
@@ -100,7 +125,8 @@ class Killer(threading.Thread):
             self.error = repr(err)
 
 
-def run_killed_twice(killer: Killer, env: dict, tmp_path: Path, top: dict, *, last_step: int = MAX_STEPS, **params):
+
+def run_killed_twice(killer: Killer, env: dict, tmp_path: Path, top: dict, *, last_step: int, **params):
     """Run the flow while ``killer`` kills its training twice; the run must fail after two kills at
     increasing checkpoints before ``last_step``. Returns the failed run, the two checkpoint steps and
     when the run ended."""
@@ -115,44 +141,3 @@ def run_killed_twice(killer: Killer, env: dict, tmp_path: Path, top: dict, *, la
     first, second = (k["steps"][-1] for k in killer.kills)
     assert 0 < first < second < last_step, killer.kills
     return failed, first, second, ended
-
-
-@pytest.mark.timeout(900)
-def test_killed_pretrain_retries_then_resumes_to_the_uninterrupted_weights(tmp_path, metaflow_env):
-    data_root = tmp_path / "data"
-    config = tmp_path / "job.toml"
-    config.write_text(JOB_TOML)
-    top = {"config": [("config", str(config))]}
-
-    killer = Killer(data_root)
-    failed, first, second, _ = run_killed_twice(killer, metaflow_env, tmp_path, top, data_root=str(data_root))
-    logs = failed.stdout + failed.stderr
-    # attempt 1 (the @retry) continued from a checkpoint of attempt 0, it did not start over
-    assert "Task is starting (retry)" in logs
-    assert "resumed from" in logs and f"at step {first}" in logs, logs[-4000:]
-    view = client_view(failed.pathspec, metaflow_env, cwd=str(tmp_path))
-    assert view["steps"]["pretrain"] == [False]
-
-    resumed = run_flow(metaflow_env, cwd=str(tmp_path), resume=True)  # resume reuses the run's config
-    assert resumed.status == "successful", resumed.stderr[-4000:]
-    view = client_view(resumed.pathspec, metaflow_env, cwd=str(tmp_path))
-    summary = view["train_summary"]
-    assert second <= summary["resumed_from_step"] < MAX_STEPS, (summary["resumed_from_step"], killer.kills)
-    assert summary["steps"] == MAX_STEPS
-    assert [h["step"] for h in summary["history"]] == list(range(1, MAX_STEPS + 1))
-
-    # the same job, uninterrupted, through the same launcher
-    from sfm.distributed.launch import free_port, launch_node
-
-    run_root = Path(summary["model_url"]).parent
-    job = {"config": json.loads((run_root / "job_config.json").read_text()), "surveys": view["train_stores"],
-           "run_root": str(tmp_path / "reference")}
-    launch_node(job, nodes=1, procs_per_node=1, node_rank=0, main_addr="127.0.0.1", main_port=free_port())
-    ref = load_file(tmp_path / "reference" / "final" / "model.safetensors")
-    got = load_file(run_root / "final" / "model.safetensors")
-    assert got.keys() == ref.keys()
-    for name in ref:
-        assert_close(got[name], ref[name], name)
-    ref_history = json.loads((tmp_path / "reference" / "summary.json").read_text())["history"]
-    assert [h["loss"] for h in summary["history"]] == pytest.approx([h["loss"] for h in ref_history],
-                                                                    rel=1e-5, abs=1e-6)
