@@ -19,7 +19,9 @@ DEFAULT_TOML = Path(__file__).with_name("default.toml")
 AUGMENTATIONS = ("flip_inline", "flip_crossline", "swap")  # data.augment: what sfm.data.crops may apply per crop
 ALIGNMENTS = ("voxel", "brick")  # data.align: crop origins anywhere, or on the store's brick grid
 CLIENTS = ("auto", "http", "obstore", "fsspec")  # data.client: how the loader reads S3
-STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")  # dist.strategy: what sfm.distributed.strategies applies
+STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")
+# keys earlier releases wrote into the configs they saved (checkpoints, registry versions), now without effect
+RETIRED_KEYS = {"eval.probe_train_volumes": "eval.downstream", "eval.probe_test_volumes": "eval.test_volumes"}  # dist.strategy: what sfm.distributed.strategies applies
 
 
 @dataclass
@@ -213,12 +215,15 @@ class JobConfig:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None = None) -> "JobConfig":
+        """The config a dict describes; keys earlier releases wrote and this one retired
+        (:data:`RETIRED_KEYS`: configs kept in checkpoints and registry versions) are skipped."""
         cfg = cls()
         for section, values in (data or {}).items():
             if not hasattr(cfg, section):
                 raise SFMError(f"unknown config section [{section}]; valid: {', '.join(_section_names())}")
             for key, value in dict(values).items():
-                cfg.set(f"{section}.{key}", value)
+                if f"{section}.{key}" not in RETIRED_KEYS:
+                    cfg.set(f"{section}.{key}", value)
         return cfg
 
     @classmethod
@@ -298,6 +303,8 @@ class JobConfig:
         if section is None or not dataclasses.is_dataclass(section):
             raise SFMError(f"unknown config key '{dotted}'; sections are {', '.join(_section_names())}")
         fields = {f.name: f for f in dataclasses.fields(section)}
+        if dotted in RETIRED_KEYS:
+            raise SFMError(f"config key '{dotted}' was retired; see {RETIRED_KEYS[dotted]} instead")
         if key not in fields:
             raise SFMError(f"unknown config key '{dotted}'; valid keys in [{section_name}]: {', '.join(fields)}")
         setattr(section, key, _coerce(dotted, getattr(section, key), fields[key], value))

@@ -244,7 +244,7 @@ def test_mae_step_at_cp2_equals_cp1(two_ranks, case):
 
 @pytest.mark.timeout(240)
 def test_gpu_context_benchmark_smoke_runs_on_cpu_with_torch_only():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project
     heavy = ("metaflow", "zarr", "segyio", "boto3", "fsspec", "s3fs", "accelerate")
     code = ("import json, runpy, sys; sys.argv = ['gpu_context.py', '--smoke']; "
             "runpy.run_path('benchmarks/gpu_context.py', run_name='__main__'); "

@@ -18,3 +18,18 @@ def test_job_settings_are_validated_with_the_key_and_the_fix():
         with pytest.raises(SFMError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
             pipeline.job_config(config, **kwargs)
     pipeline.job_config({})  # the defaults pass
+
+
+def test_configs_saved_by_earlier_releases_still_load():
+    """A registry version or checkpoint of the release before the downstream evaluation holds the fault
+    probe's keys; its config still loads (the watcher continues from such a champion)."""
+    from sfm.config import JobConfig
+
+    old = {"eval": {"crops": 8, "batch_size": 8, "seed": 1234, "probe_train_volumes": 8, "probe_test_volumes": 4},
+           "ingest": {"iline_byte": 0, "xline_byte": 0, "chunk": 128, "codec": "zstd:1"}}
+    cfg = JobConfig.from_dict(old)
+    assert cfg.eval.crops == 8 and cfg.ingest.chunk == 128 and cfg.ingest.dtype == "float32"
+    with pytest.raises(Exception, match="unknown config key"):
+        JobConfig.from_dict({"eval": {"probe_volumes": 3}})
+    with pytest.raises(Exception, match="'eval.probe_train_volumes' was retired; see eval.downstream"):
+        JobConfig.from_toml(None, ["eval.probe_train_volumes=8"])  # a user's override is told what replaced it
