@@ -41,9 +41,9 @@ class IngestConfig:
     def check(self) -> None:
         """Every setting valid, or SFMError naming it and the fix."""
         codec_settings(self.codec)
-        if self.dtype not in ("float32", "float16"):
+        if self.dtype not in INGEST_DTYPES:
             raise SFMError(f"--dtype {self.dtype!r} is not supported; use float32 (lossless) or float16")
-        if self.nonfinite not in ("replace", "refuse"):
+        if self.nonfinite not in NONFINITE_POLICIES:
             raise SFMError(f"nonfinite={self.nonfinite!r}: use 'replace' or 'refuse'")
         if self.endian not in ("auto", "big", "little"):
             raise SFMError(f"ingest.endian = {self.endian!r}: use auto, big or little")
@@ -57,6 +57,8 @@ class IngestConfig:
 
 
 CODEC_NAMES = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
+INGEST_DTYPES = ("float32", "float16")
+NONFINITE_POLICIES = ("replace", "refuse")
 
 
 def codec_settings(codec: str) -> tuple[str, int]:

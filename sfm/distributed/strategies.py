@@ -156,7 +156,7 @@ def _writer_reader(url: str, write: bool):
     if storage.is_s3(url):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-        options = storage.s3_storage_options()
+        options = storage.s3fs_options()
         return FsspecWriter(url, **options) if write else FsspecReader(url, **options)
     return FileSystemWriter(url) if write else FileSystemReader(url)
 

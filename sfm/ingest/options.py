@@ -26,8 +26,6 @@ def codec_spec(codec: str) -> dict[str, Any]:
 
 
 AMPLITUDE_CODEC = codec_spec(DEFAULT_CODEC)
-DTYPES = ("float32", "float16")
-NONFINITE_POLICIES = ("replace", "refuse")
 
 
 

@@ -162,7 +162,7 @@ def open_survey(store_url: str):
 
     read_store_attrs(store_url)
     if storage.is_s3(store_url):
-        return xr.open_zarr(store_url, storage_options=storage.s3_storage_options(), zarr_format=3)
+        return xr.open_zarr(store_url, storage_options=storage.s3fs_options(), zarr_format=3)
     return xr.open_zarr(storage.normalize(store_url), zarr_format=3)
 
 

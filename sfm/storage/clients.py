@@ -209,10 +209,10 @@ def user_error(err: BaseException) -> SFMError | None:
         import botocore.exceptions as bx
     except ImportError:  # pragma: no cover - botocore is a dependency
         return None
+    endpoint = s3_endpoint_url() or "AWS S3"
     seen: set[int] = set()
     while err is not None and id(err) not in seen:  # s3fs and aiobotocore wrap the botocore error
         seen.add(id(err))
-        endpoint = s3_endpoint_url() or "AWS S3"
         if isinstance(err, (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ProxyConnectionError)):
             return SFMError(f"cannot reach the S3 endpoint {endpoint}; check SFM_S3_ENDPOINT_URL (or "
                             "AWS_ENDPOINT_URL) and that the server is up")

@@ -30,7 +30,6 @@ from sfm.errors import SFMError
 from sfm.storage.clients import ENDPOINT_ENV, boto_client, s3_endpoint_url, s3_filesystem, s3fs_options  # noqa: F401
 from sfm.storage.security import name_problem, redact
 
-s3_storage_options = s3fs_options  # the name callers used before sfm.storage.clients
 
 def is_s3(url: str) -> bool:
     return str(url).startswith("s3://")
