@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from sfm.config import IngestConfig
+from sfm.config import INGEST_DTYPES, IngestConfig
 from sfm.errors import SFMError
 
 
@@ -238,8 +238,9 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--xline-byte", type=int, default=None, help="trace-header byte of the crossline number")
     p.add_argument("--endian", choices=["auto", "big", "little"], default="auto")
     p.add_argument("--chunk", type=int, default=128, help="brick edge in voxels (default 128: 128^3 bricks)")
-    p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
-                   help="float32 is lossless; float16 stores standardised values and records the transform")
+    p.add_argument("--dtype", choices=INGEST_DTYPES, default=IngestConfig.dtype,
+                   help="float32 is lossless; float16 stores standardised values, int8 values quantised over the "
+                        "0.1-99.9 percentile range (saturating beyond it); both record the transform")
     p.add_argument("--codec", default=IngestConfig.codec,
                    help=f"Blosc compressor of the bricks, cname[:clevel] (default {IngestConfig.codec}; lz4 decodes "
                         "about twice as fast and stores 5-25 %% more bytes)")

@@ -32,7 +32,7 @@ class IngestConfig:
     xline_byte: int = 0  # of the crossline number
     endian: str = "auto"  # auto | big | little
     chunk: int = 128  # brick edge in voxels (clipped to the survey's shape)
-    dtype: str = "float32"  # float32 (lossless) | float16 (standardised values, transform recorded)
+    dtype: str = "float32"  # float32 (lossless) | float16 (standardised) | int8 (quantised); transform recorded
     max_sparsity: float = 10.0  # largest allowed ratio of grid cells to traces
     nonfinite: str = "replace"  # "replace" NaN/inf by 0 and report, or "refuse" the file
     workers: int = 0  # threads; 0: the cores (at most 16), two more when the store is remote (PUTs wait)
@@ -42,7 +42,8 @@ class IngestConfig:
         """Every setting valid, or SFMError naming it and the fix."""
         codec_settings(self.codec)
         if self.dtype not in INGEST_DTYPES:
-            raise SFMError(f"--dtype {self.dtype!r} is not supported; use float32 (lossless) or float16")
+            raise SFMError(f"--dtype {self.dtype!r} is not supported; use one of {', '.join(INGEST_DTYPES)} "
+                           "(float32 is lossless)")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise SFMError(f"nonfinite={self.nonfinite!r}: use 'replace' or 'refuse'")
         if self.endian not in ("auto", "big", "little"):
@@ -57,7 +58,7 @@ class IngestConfig:
 
 
 CODEC_NAMES = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
-INGEST_DTYPES = ("float32", "float16")
+INGEST_DTYPES = ("float32", "float16", "int8")
 NONFINITE_POLICIES = ("replace", "refuse")
 
 

@@ -30,7 +30,7 @@ class SurveyInfo:
     clip: tuple[float, float]  # stored 0.1 / 99.9 percentiles (amplitude units)
     mean: float
     std: float
-    scale: float = 1.0  # amplitude = stored * scale + offset (float16 stores; identity for float32)
+    scale: float = 1.0  # amplitude = stored * scale + offset (float16 and int8 stores; identity for float32)
     offset: float = 0.0
 
     def normalise_into(self, stored: np.ndarray, dst: np.ndarray) -> None:

@@ -38,7 +38,7 @@ def read_store_attrs(store, where: str | None = None, *, stats_in_stored_units: 
     instead of deep inside a read.
 
     With ``stats_in_stored_units``, ``stats`` (mean, std, min, max, percentiles) is expressed in the
-    units of the stored ``amplitude`` array: for float16 stores that is ``(value - offset) / scale``
+    units of the stored ``amplitude`` array: for float16 and int8 stores that is ``(value - offset) / scale``
     (see ``amplitude_transform``), so code that normalises raw stored values with these statistics
     gets the same result as on the float32 store; float32 stores are returned unchanged.
     """

@@ -20,8 +20,8 @@ from sfm.errors import SFMError
 from sfm.ingest.segy import SegyLayout, SurveyGeometry, cdp_coordinates
 from sfm.ingest.zarr_writer import GroupWriter
 from sfm.ingest.segy_traces import TraceReader
-from sfm.ingest.options import (AMPLITUDE_CODEC, FLOAT16_MAX, PERCENTILE_TRACES, PERCENTILES, SHARD_BYTES,
-                                TRANSFORM_TRACES, codec_spec, ingest_threads)
+from sfm.ingest.options import (AMPLITUDE_CODEC, FLOAT16_MAX, INT8_MAX, PERCENTILE_TRACES, PERCENTILES,
+                                SHARD_BYTES, TRANSFORM_TRACES, codec_spec, ingest_threads)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -102,9 +102,14 @@ class _Plan:
     shards: tuple[int, int, int]
     dtype: str
     codec: dict[str, Any] = field(default_factory=lambda: dict(AMPLITUDE_CODEC))
-    offset: float = 0.0  # float16: amplitude = stored * scale + offset
+    offset: float = 0.0  # float16 and int8: amplitude = stored * scale + offset
     scale: float = 1.0
     hole: float = 0.0  # the stored value of a missing trace (decodes to exactly 0)
+
+    @property
+    def stored_limit(self) -> float:
+        """The largest magnitude written in the stored dtype; values beyond it saturate."""
+        return INT8_MAX if self.dtype == "int8" else FLOAT16_MAX
 
     @property
     def units(self) -> list[tuple[int, int, int, int]]:
@@ -126,16 +131,47 @@ def _plan(layout: SegyLayout, geometry: SurveyGeometry, opts: IngestConfig) -> _
                  codec_spec(opts.codec))
 
 
-def _float16_transform(plan: _Plan, reader: TraceReader, n_traces: int) -> None:
-    """Fix the float16 standardisation from evenly spaced traces read before the main pass."""
+def _fix_transform(plan: _Plan, reader: TraceReader, n_traces: int) -> None:
+    """Fix the float16 or int8 transform from the finite samples of evenly spaced traces, read before
+    the main pass."""
     picks = np.unique(np.linspace(0, n_traces - 1, min(n_traces, TRANSFORM_TRACES)).astype(np.int64))
     values = np.concatenate([reader.read(int(t), int(t) + 1).ravel() for t in picks])
-    values = values[np.isfinite(values)].astype(np.float64)
+    values = values[np.isfinite(values)]
+    (_quantise if plan.dtype == "int8" else _standardise)(plan, values)
+
+
+def _standardise(plan: _Plan, values: np.ndarray) -> None:
+    """float16: stored = (amplitude - offset) / std of ``values`` [N] float32, offset near the mean."""
+    values = values.astype(np.float64)
     mean = float(values.mean()) if values.size else 0.0
     std = float(values.std()) if values.size else 0.0
     scale = std if std > 0 else (abs(mean) or 1.0)
     hole = np.float16(-mean / scale)  # holes must decode to exactly 0: pick the offset to make it so
     plan.scale, plan.hole, plan.offset = scale, float(hole), -float(hole) * scale
+
+
+def _quantise(plan: _Plan, values: np.ndarray) -> None:
+    """int8: 254 steps across the 0.1 to 99.9 percentiles of ``values`` [N] float32 (the range the loader
+    clips amplitudes to; defined as in the statistics), widened to take in 0 where it does not, so that
+    a hole has an integer: ``hole = round(-centre / scale)``, and ``offset = -hole * scale`` makes it
+    decode to exactly 0. Every amplitude in the range is stored within scale / 2; beyond, it saturates."""
+    lo, hi = (float(v) for v in np.percentile(values, (0.1, 99.9))) if values.size else (0.0, 0.0)
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    scale = (hi - lo) / (2 * INT8_MAX) if hi > lo else 1.0
+    hole = int(np.rint(-0.5 * (lo + hi) / scale))
+    plan.scale, plan.hole, plan.offset = scale, float(hole), -hole * scale + 0.0  # + 0.0: never -0.0
+
+
+def _transform_attrs(plan: _Plan) -> dict[str, Any]:
+    """``attrs["amplitude_transform"]``: how the stored values of a float16 or int8 store decode."""
+    transform = {"offset": plan.offset, "scale": plan.scale, "decode": "amplitude = stored * scale + offset"}
+    if plan.dtype == "float16":
+        return {"kind": "standardise", "stored_dtype": "float16", "hole_value": plan.hole, **transform}
+    limit = INT8_MAX
+    return {"kind": "quantise", "stored_dtype": "int8", "hole_value": int(plan.hole), **transform,
+            "stored_range": [-limit, limit],
+            "clip": [plan.offset - limit * plan.scale, plan.offset + limit * plan.scale],
+            "saturation": "amplitudes beyond clip (about the 0.1 and 99.9 percentiles) are stored as its ends"}
 
 
 def _create_arrays(group: GroupWriter, plan: _Plan, geometry: SurveyGeometry, layout: SegyLayout,
@@ -145,12 +181,12 @@ def _create_arrays(group: GroupWriter, plan: _Plan, geometry: SurveyGeometry, la
 
     n_il, n_xl, ns = plan.shape
     amp_attrs = {"coordinates": "cdp_x cdp_y", "long_name": "amplitude"}
-    if plan.dtype == "float16":  # CF convention: xarray decodes stored values back to amplitude
+    if plan.dtype != "float32":  # CF convention: xarray decodes stored values back to amplitude
         amp_attrs.update({"scale_factor": plan.scale, "add_offset": plan.offset})
     group.create_array(
         "amplitude", shape=plan.shape, chunks=plan.bricks, dtype=plan.dtype,
         shards={"shape": plan.shards, "index_location": "start"},
-        compressors=BloscCodec(**plan.codec), fill_value=plan.hole,
+        compressors=BloscCodec(**plan.codec), fill_value=np.dtype(plan.dtype).type(plan.hole),
         dimension_names=["inline", "crossline", "sample"], attributes=amp_attrs)
     mask = np.zeros((n_il, n_xl), dtype=bool)
     mask[geometry.trace_il, geometry.trace_xl] = True
@@ -177,8 +213,8 @@ def write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, he
     cells = geometry.cell_traces()  # [IL, XL] trace number or -1
     stride = max(1, layout.n_traces // PERCENTILE_TRACES)
     with TraceReader(layout) as reader:
-        if plan.dtype == "float16":
-            _float16_transform(plan, reader, layout.n_traces)
+        if plan.dtype != "float32":
+            _fix_transform(plan, reader, layout.n_traces)
         group = GroupWriter(store_url)
         _create_arrays(group, plan, geometry, layout, headers)
         writer = group.shards("amplitude")
@@ -239,10 +275,8 @@ def write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, he
     attrs["store"] = {"bricks": list(plan.bricks), "shards": list(plan.shards), "shard_index": "start",
                       "codec": "blosc " + " ".join(f"{k}={v}" for k, v in plan.codec.items()),
                       "dtype": plan.dtype}
-    if plan.dtype == "float16":
-        attrs["amplitude_transform"] = {"kind": "standardise", "stored_dtype": "float16",
-                                        "offset": plan.offset, "scale": plan.scale, "hole_value": plan.hole,
-                                        "decode": "amplitude = stored * scale + offset"}
+    if plan.dtype != "float32":
+        attrs["amplitude_transform"] = _transform_attrs(plan)
     validate("survey_store", attrs, f"survey store {store_url}")
     group.finish(attrs)
     return stats
@@ -315,18 +349,20 @@ def _read_unit(reader: TraceReader, cells: np.ndarray, column: np.ndarray, block
 
 def _encode(column: np.ndarray, live: np.ndarray, plan: _Plan, buffers) -> np.ndarray:
     """The stored values of brick column ``column`` [K, A, B, D] (filled by :func:`_read_unit` for the
-    cells ``live`` [a, b]): itself (float32), or standardised float16 with the hole value wherever
-    no trace is."""
+    cells ``live`` [a, b]): itself (float32), or ``(column - offset) / scale`` as float16 or rounded to
+    int8, saturating at the stored dtype's limit, with the hole value wherever no trace is."""
     if plan.dtype == "float32":
         return column
     column -= np.float32(plan.offset)
     column *= np.float32(1.0 / plan.scale)
-    np.clip(column, -FLOAT16_MAX, FLOAT16_MAX, out=column)
-    if getattr(buffers, "half", None) is None:
-        buffers.half = np.empty(column.shape, dtype=np.float16)
-    stored = buffers.half
-    np.copyto(stored, column, casting="same_kind")
-    hole = np.float16(plan.hole)
+    if plan.dtype == "int8":
+        np.rint(column, out=column)
+    np.clip(column, -plan.stored_limit, plan.stored_limit, out=column)
+    if getattr(buffers, "stored", None) is None:
+        buffers.stored = np.empty(column.shape, dtype=plan.dtype)
+    stored = buffers.stored
+    np.copyto(stored, column, casting="unsafe")
+    hole = stored.dtype.type(plan.hole)
     a, b = live.shape
     stored[:, a:] = hole
     stored[:, :, b:] = hole

@@ -11,9 +11,10 @@ from sfm.config import CODEC_NAMES, IngestConfig, codec_settings  # noqa: F401  
 STORE_VERSION = 1
 PERCENTILES = (0.1, 1, 50, 99, 99.9)
 PERCENTILE_TRACES = 4096  # evenly spaced traces kept for the percentiles (all traces of smaller surveys)
-TRANSFORM_TRACES = 1024  # evenly spaced traces read first to fix the float16 standardisation
+TRANSFORM_TRACES = 1024  # evenly spaced traces read first to fix the float16 / int8 transform
 SHARD_BYTES = 64 << 20  # target size of one shard (bricks along the sample axis)
 FLOAT16_MAX = 65504.0
+INT8_MAX = 127  # int8 stores use -127..127 (symmetric: -128 is never written)
 # The bricks' codec, "cname[:clevel]" over byte-shuffled 1 MiB blocks. The default (IngestConfig.codec,
 # shared with the CLI and the flow) is zstd level 1; BENCHMARKS.md "Ingest" has why.
 DEFAULT_CODEC = IngestConfig.codec
