@@ -19,6 +19,7 @@ DEFAULT_TOML = Path(__file__).with_name("default.toml")
 AUGMENTATIONS = ("flip_inline", "flip_crossline", "swap")  # data.augment: what sfm.data.crops may apply per crop
 ALIGNMENTS = ("voxel", "brick")  # data.align: crop origins anywhere, or on the store's brick grid
 CLIENTS = ("auto", "http", "obstore", "fsspec")  # data.client: how the loader reads S3
+BATCH_DTYPES = ("float32", "float16")  # data.batch_dtype: the crops' value type
 STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")
 # keys earlier releases wrote into the configs they saved (checkpoints, registry versions), now without effect
 RETIRED_KEYS = {"eval.probe_train_volumes": "eval.downstream", "eval.probe_test_volumes": "eval.test_volumes"}  # dist.strategy: what sfm.distributed.strategies applies
@@ -88,6 +89,12 @@ class DataConfig:
     prefetch: int = 2  # batches each worker reads ahead
     client: str = "auto"  # S3 reads: auto (bricks by ranged GETs, the rest obstore or s3fs), http, obstore, fsspec
     retry_seconds: float = 120.0  # how long transient S3 failures are retried before a read fails
+    crops_per_region: int = 1  # k crops cut from each fetched, decoded region (sfm.data.regions); 1: a fetch per crop
+    region_bricks: tuple[int, int, int] = (2, 2, 2)  # a region's size in stored bricks (inline, crossline, sample)
+    regions_in_flight: int = 0  # regions a rank cuts from at once; 0: the batch size (each batch: distinct regions)
+    batch_dtype: str = "float32"  # float32 | float16 (GPUs train in bf16: half the bytes of every copy)
+    pool_dir: str = ""  # decoded regions shared by a node's processes; "": /dev/shm, else the temp dir
+    pool_mb: int = 0  # bound on the node pool's size; 0: three regions per lane for each of the node's ranks
 
 
 @dataclass
@@ -269,7 +276,13 @@ class JobConfig:
                            "model.mask_ratio in (0, 1)")
         if any(not 0 < f < 1 for f in t.snapshots):
             raise SFMError(f"train.snapshots = {list(t.snapshots)}: each must be a fraction of the steps in (0, 1)")
+        if d.crops_per_region < 1 or d.regions_in_flight < 0 or d.pool_mb < 0 or len(d.region_bricks) != 3 \
+                or min(d.region_bricks) < 1:
+            raise SFMError(f"data.crops_per_region = {d.crops_per_region} must be >= 1, data.region_bricks = "
+                           f"{list(d.region_bricks)} 3 positive brick counts, data.regions_in_flight and data.pool_mb "
+                           ">= 0 (0: automatic)")
         for key, value, valid in (("data.align", d.align, ALIGNMENTS), ("data.client", d.client, CLIENTS),
+                                  ("data.batch_dtype", d.batch_dtype, BATCH_DTYPES),
                                   ("dist.strategy", self.dist.strategy, STRATEGIES)):
             if value not in valid:
                 raise SFMError(f"{key} = {value!r} is not valid; use one of {', '.join(valid)}")

@@ -10,7 +10,11 @@ buffer and one pass from there into the destination:
   index codecs ``bytes`` little-endian + ``crc32c``);
 - brick codecs ``bytes`` (little-endian) followed by at most one compressor that numcodecs decodes
   from its own header (blosc, zstd, gzip);
-- float32 or float16 values.
+- float32, float16 or int8 values.
+
+Bricks that lie next to each other in a shard (consecutive along the sample axis, as the ingest writes
+them) are fetched by one ranged GET and decoded from their slices of it. The CPU time of each phase
+(receive, decode, normalise) is added to :attr:`BrickReader.cpu` for the loader's accounting.
 
 :meth:`BrickReader.for_array` returns None for anything else, and the caller reads through zarr.
 Fetches go through the array's store (so :class:`sfm.data.store.ResilientStore` retries and counts them):
@@ -22,14 +26,18 @@ are fetched at once on zarr's event loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import sys
 import threading
+import time
 from typing import Callable
 
 import numpy as np
 
 _EMPTY = np.uint64(2**64 - 1)  # shard index entry of a brick that was never written
 _COMPRESSORS = ("blosc", "zstd", "gzip")
+_DTYPES = (np.dtype("float32"), np.dtype("float16"), np.dtype("int8"))
+_RUN_BYTES = 64 << 20  # the most one coalesced GET fetches
 
 
 def _numcodecs_decoder(name: str):
@@ -54,6 +62,8 @@ class BrickReader:
         self.per_shard = None if shard_shape is None else tuple(s // b for s, b in zip(self.shard_shape, self.bricks))
         self._local = threading.local()  # per thread: decoder, brick buffer, encoded-bytes buffer
         self._indexes: dict[tuple[int, ...], np.ndarray | None] = {}  # shard -> index (see _shard_index)
+        self.cpu: collections.Counter = collections.Counter()  # thread CPU seconds per phase, all threads
+        self._cpu_lock = threading.Lock()
 
     @classmethod
     def for_array(cls, amp) -> "BrickReader | None":
@@ -64,7 +74,7 @@ class BrickReader:
         meta = amp.metadata
         if getattr(meta, "zarr_format", None) != 3 or not isinstance(meta.chunk_grid, RegularChunkGrid):
             return None
-        if np.dtype(amp.dtype) not in (np.dtype("float32"), np.dtype("float16")) or sys.byteorder != "little":
+        if np.dtype(amp.dtype) not in _DTYPES or sys.byteorder != "little":
             return None
         codecs = tuple(meta.codecs)
         shard_shape, index_at_start = None, None
@@ -103,12 +113,18 @@ class BrickReader:
         starts = [r.start for r in region]
         ranges = [range(r.start // b, (r.stop - 1) // b + 1) for r, b in zip(region, self.bricks)]
         coords = [(i, j, k) for i in ranges[0] for j in ranges[1] for k in ranges[2]]
+        spent = collections.Counter()
+        clock = time.thread_time()
         if getattr(self.store, "range_reader", None) is not None and self.shard_shape is not None:
-            payloads = (self._read_brick(brick) for brick in coords)  # one at a time, into one buffer
+            payloads = self._read_bricks(coords)  # one coalesced GET at a time, into one buffer
         else:
-            payloads = sync(self._fetch(coords))
-        for brick, payload in zip(coords, payloads):
+            payloads = iter(sync(self._fetch(coords)))
+        for brick, payload in payloads:
+            now = time.thread_time()
+            spent["receive"] += now - clock
             stored = self._decode(payload)
+            clock, now = now, time.thread_time()
+            spent["decode"] += now - clock
             src, out = [], []
             for axis, (c, b) in enumerate(zip(brick, self.bricks)):
                 lo = max(region[axis].start, c * b)
@@ -116,49 +132,80 @@ class BrickReader:
                 src.append(slice(lo - c * b, hi - c * b))
                 out.append(slice(lo - starts[axis], hi - starts[axis]))
             normalise(stored[tuple(src)], dst[tuple(out)])
+            clock = time.thread_time()
+            spent["normalise"] += clock - now
+        with self._cpu_lock:
+            self.cpu.update(spent)
+
+    def _runs(self, coords, indexes) -> tuple[list, list]:
+        """Group the bricks ``coords`` into GETs: ``(key, start, end, [(brick, offset, nbytes), ...])`` for
+        bricks stored back to back in one shard (at most ``_RUN_BYTES`` a GET), and the bricks never
+        written."""
+        located, missing = [], []
+        for brick in coords:
+            where = self._locate(brick, indexes[self._shard_of(brick)])
+            if where is None:
+                missing.append(brick)
+            else:
+                located.append((*where, brick))
+        located.sort(key=lambda x: (x[0], x[1]))
+        runs: list = []
+        for key, start, end, brick in located:
+            run = runs[-1] if runs else None
+            if run is not None and run[0] == key and run[2] == start and end - run[1] <= _RUN_BYTES:
+                run[2] = end
+                run[3].append((brick, start - run[1], end - start))
+            else:
+                runs.append([key, start, end, [(brick, 0, end - start)]])
+        return runs, missing
 
     async def _fetch(self, coords: list[tuple[int, int, int]]) -> list:
-        """The encoded bytes of each brick (None: never written), fetched concurrently."""
+        """``(brick, encoded bytes or None: never written)`` for each brick, fetched concurrently,
+        bricks stored back to back by one GET."""
         from zarr.abc.store import RangeByteRequest
         from zarr.core.buffer import default_buffer_prototype
 
         proto = default_buffer_prototype()
         if self.shard_shape is None:
-            return await asyncio.gather(*(self.store.get(self._key(c), proto) for c in coords))
+            got = await asyncio.gather(*(self.store.get(self._key(c), proto) for c in coords))
+            return list(zip(coords, got))
         shards = {self._shard_of(brick) for brick in coords}
         indexes = dict(zip(shards, await asyncio.gather(*(self._shard_index(s, proto) for s in shards))))
+        runs, missing = self._runs(coords, indexes)
+        bufs = await asyncio.gather(*(self.store.get(key, proto, RangeByteRequest(start, end))
+                                      for key, start, end, _ in runs))
+        out: list = [(brick, None) for brick in missing]
+        for (key, _, _, parts), buf in zip(runs, bufs):
+            if buf is None:
+                raise FileNotFoundError(f"shard {key} vanished while being read")
+            raw = buf.as_numpy_array()
+            out += [(brick, raw[at:at + n]) for brick, at, n in parts]
+        return out
 
-        async def one(brick):
-            where = self._locate(brick, indexes[self._shard_of(brick)])
-            if where is None:
-                return None
-            key, start, end = where
-            return await self.store.get(key, proto, RangeByteRequest(start, end))
-
-        return await asyncio.gather(*(one(b) for b in coords))
-
-    def _read_brick(self, brick: tuple[int, int, int]) -> np.ndarray | None:
-        """The encoded bytes of one brick (None: never written) in this thread's reused buffer, read by
-        the store's blocking range reader (:meth:`sfm.data.store.ResilientStore.read_range_into`)."""
+    def _read_bricks(self, coords: list[tuple[int, int, int]]):
+        """Yield ``(brick, encoded bytes or None)`` for each brick, each run of back-to-back bricks read
+        by one blocking ranged GET (:meth:`sfm.data.store.ResilientStore.read_range_into`) into this
+        thread's reused buffer; valid until the next item."""
         from zarr.core.buffer import default_buffer_prototype
         from zarr.core.sync import sync
 
-        shard = self._shard_of(brick)
-        index = self._indexes.get(shard, False)
-        if index is False:  # not read yet: the only hop to the event loop
-            index = sync(self._shard_index(shard, default_buffer_prototype()))
-        where = self._locate(brick, index)
-        if where is None:
-            return None
-        key, start, end = where
+        shards = {self._shard_of(brick) for brick in coords}
+        for shard in shards:
+            if self._indexes.get(shard, False) is False:  # not read yet: the only hop to the event loop
+                sync(self._shard_index(shard, default_buffer_prototype()))
+        runs, missing = self._runs(coords, self._indexes)
+        for brick in missing:
+            yield brick, None
         local = self._local
-        if getattr(local, "payload", None) is None or local.payload.size < end - start:
-            local.payload = np.empty(max(end - start, int(np.prod(self.bricks)) * self.dtype.itemsize + 4096),
-                                     np.uint8)
-        got = self.store.read_range_into(key, start, end, local.payload)
-        if got is None:
-            raise FileNotFoundError(f"shard {key} vanished while being read")
-        return got
+        for key, start, end, parts in runs:
+            if getattr(local, "payload", None) is None or local.payload.size < end - start:
+                brick_bytes = int(np.prod(self.bricks)) * self.dtype.itemsize + 4096
+                local.payload = np.empty(max(end - start, brick_bytes), np.uint8)
+            got = self.store.read_range_into(key, start, end, local.payload)
+            if got is None:
+                raise FileNotFoundError(f"shard {key} vanished while being read")
+            for brick, at, n in parts:
+                yield brick, got[at:at + n]
 
     def _shard_of(self, brick) -> tuple[int, ...]:
         return tuple(c // n for c, n in zip(brick, self.per_shard))

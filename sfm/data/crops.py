@@ -14,18 +14,21 @@ memory.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
 from sfm.data.bricks import BrickReader
-from sfm.config import ALIGNMENTS, AUGMENTATIONS
+from sfm.config import ALIGNMENTS, AUGMENTATIONS, BATCH_DTYPES
 from sfm.errors import SFMError
 
+from sfm.data.regions import Region, RegionPlan, RegionPool, RegionSettings, region_bytes
 from sfm.data.store import open_survey_store, ResilientStore
 from sfm.data.survey import SurveyInfo, read_survey_info
 
@@ -44,6 +47,7 @@ class Crop(NamedTuple):
     flip_inline: bool = False
     flip_crossline: bool = False
     swap: bool = False
+    region: Region | None = None  # the fetched region the crop is cut from (crops_per_region > 1)
 
     def slab(self, start: int, stop: int) -> "Crop":
         """The crop whose voxels are rows ``[start, stop)`` (axis 0) of this crop as delivered.
@@ -114,6 +118,9 @@ class CropSampler:
         client, retry_seconds: see :func:`open_survey_store`.
         brick_reader: read through :mod:`sfm.data.bricks` where the store layout allows (a third less CPU
             than zarr's read path); False: always through zarr.
+        regions: many crops per fetched region (:mod:`sfm.data.regions`); None or k = 1: each crop
+            fetches its own bricks. Needs :meth:`plan_batches` (the dataset calls it).
+        dtype: "float32" or "float16": the crops' value type.
         slab: ``(start, stop)``: read and return only rows ``[start, stop)`` of axis 0 of each crop
             as delivered (after flips and swap), [1, stop - start, H, W], fetching only the bricks
             those rows need. The crops themselves (``locate``) do not change, so the context-parallel
@@ -124,7 +131,8 @@ class CropSampler:
     def __init__(self, store_urls: list[str], crop: tuple[int, int, int], seed: int = 0,
                  min_live_fraction: float = 0.5, read_threads: int = 8, *, epoch: int = 0, align: str = "voxel",
                  augment: Iterable[str] = (), client: str = "auto", retry_seconds: float = 120.0,
-                 brick_reader: bool = True, slab: tuple[int, int] | None = None):
+                 brick_reader: bool = True, slab: tuple[int, int] | None = None,
+                 regions: RegionSettings | None = None, dtype: str = "float32"):
         if not store_urls:
             raise SFMError("no survey stores to read; ingest at least one survey")
         self.crop = tuple(int(c) for c in crop)
@@ -152,6 +160,14 @@ class CropSampler:
         self.slab = slab
         # what one read delivers: the slab's rows of the crop, or all of it
         self.shape = self.crop if slab is None else (slab[1] - slab[0], *self.crop[1:])
+        if dtype not in BATCH_DTYPES:
+            raise SFMError(f"data.batch_dtype = {dtype!r} is not a crop type; use one of {', '.join(BATCH_DTYPES)}")
+        self.dtype = np.dtype(dtype)
+        self.regions = regions or RegionSettings()
+        self.regions.check()
+        self.plan: RegionPlan | None = None
+        self.pool_of_regions: RegionPool | None = None
+        self.copy_cpu = 0.0  # thread CPU seconds cutting crops out of regions
         self.client, self.retry_seconds = client, float(retry_seconds)
         self.brick_reader = bool(brick_reader)
         self._stores: list[ResilientStore] = []
@@ -186,7 +202,7 @@ class CropSampler:
     # ---- processes: the live handles are reopened in each process that reads ----------------
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_stores=[], _arrays=[], _readers=[], _pool=None, _lock=None, _pid=None)
+        state.update(_stores=[], _arrays=[], _readers=[], _pool=None, _lock=None, _pid=None, copy_cpu=0.0)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -231,12 +247,42 @@ class CropSampler:
         """Bytes, requests and retries this process has fetched from storage so far."""
         return {k: sum(getattr(s, k) for s in self._stores) for k in ("bytes_fetched", "requests", "retries")}
 
+    def cpu_stats(self) -> dict[str, float]:
+        """Thread CPU seconds this process spent per phase: receive, decode, normalise (brick reader
+        reads) and copy (crops cut out of pooled regions); and the regions it built and reused."""
+        spent = collections.Counter()
+        for reader in self._readers:
+            if reader is not None:
+                spent.update(reader.cpu)
+        out = {phase: float(spent.get(phase, 0.0)) for phase in ("receive", "decode", "normalise")}
+        out["copy"] = self.copy_cpu
+        pool = self.pool_of_regions
+        out.update(regions_built=pool.built if pool else 0, regions_reused=pool.reused if pool else 0)
+        return out
+
+    def plan_batches(self, batch_size: int, world_size: int) -> None:
+        """Lay out the region plan for batches of ``batch_size`` samples and ``world_size`` dp ranks
+        (:class:`sfm.data.regions.RegionPlan`); nothing to do with one crop per region."""
+        r = self.regions
+        if int(r.crops_per_region) <= 1:
+            return
+        steps = [(*self._step(s)[:2], self._step(s)[2]) for s in self.surveys]
+        self.plan = RegionPlan(self.surveys, self.origins, self.weights, self.crop, steps, r.crops_per_region,
+                               tuple(r.region_bricks), r.regions_in_flight, batch_size, world_size)
+        largest = max(region_bytes(g.extent, self.dtype) for g in self.plan.grids)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        budget = int(r.pool_mb) * (1 << 20) or 3 * self.plan.lanes * largest * max(1, local_ranks)
+        self.pool_of_regions = RegionPool(r.pool_dir, budget)
+        self.pool_of_regions._keep = 2 * self.plan.lanes + 8
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
     # ---- where sample i comes from -------------------------------------------------------------
     def locate(self, index: int) -> Crop:
         """The :class:`Crop` of sample ``index``: a pure function of (seed, epoch, index)."""
+        if self.plan is not None:
+            return self._locate_in_region(index)
         rng = np.random.default_rng([self.seed, self.epoch, int(index)])
         k = int(rng.choice(len(self.surveys), p=self.weights))
         s, origins = self.surveys[k], self.origins[k]
@@ -246,6 +292,15 @@ class CropSampler:
         swap, flip_il, flip_xl = (bool(v) for v in rng.integers(0, 2, size=3))
         return Crop(k, (i0, j0, t0), self.crop, "flip_inline" in self.augment and flip_il,
                     "flip_crossline" in self.augment and flip_xl, self.swap_allowed and swap)
+
+    def _locate_in_region(self, index: int) -> Crop:
+        plan = self.plan
+        region = plan.region(self.seed, self.epoch, plan.anchor(index))
+        rng = np.random.default_rng([self.seed, self.epoch, int(index), 1])
+        origin = plan.grids[region.survey].crop_origin(region, rng)
+        swap, flip_il, flip_xl = (bool(v) for v in rng.integers(0, 2, size=3))
+        return Crop(region.survey, origin, self.crop, "flip_inline" in self.augment and flip_il,
+                    "flip_crossline" in self.augment and flip_xl, self.swap_allowed and swap, region)
 
     def _step(self, s: SurveyInfo) -> tuple[int, int, int]:
         return s.bricks if self.align == "brick" else (1, 1, 1)
@@ -258,12 +313,14 @@ class CropSampler:
         if self.slab is not None:
             c = c.slab(*self.slab)
         s = self.surveys[c.survey]
-        if out.size != int(np.prod(self.shape)) or out.dtype != np.float32 or not out.flags.c_contiguous:
-            raise ValueError(f"out must be contiguous float32 holding {self.shape}, got {out.dtype} {out.shape}")
+        if out.size != int(np.prod(self.shape)) or out.dtype != self.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be contiguous {self.dtype} holding {self.shape}, got {out.dtype} {out.shape}")
         view = out.reshape(c.shape)  # a view, since out is contiguous
         if c.swap:  # view[i, j, t] addresses the source voxel (origin + (i, j, t))
             view = view.transpose(1, 0, 2)
         view = view[:: -1 if c.flip_inline else 1, :: -1 if c.flip_crossline else 1]
+        if c.region is not None:
+            return [self.pool.submit(self._cut, c, view)]
         full = s.live_traces(c.origin[0], c.origin[1], c.extent[0], c.extent[1]) == c.extent[0] * c.extent[1]
         pool = self.pool
         # a blocking range reader reads a tile's bricks one after another: one brick per tile keeps
@@ -272,36 +329,62 @@ class CropSampler:
         tiles = brick_tiles(c.origin, c.extent, s.bricks, int(np.prod(s.bricks)) if per_brick else None)
         return [pool.submit(self._read_tile, c, tile, view, full) for tile in tiles]
 
-    def _read_tile(self, c: Crop, tile, view: np.ndarray, full: bool) -> None:
-        s = self.surveys[c.survey]
-        (a0, a1), (b0, b1), (t0, t1) = tile
-        i0, j0, k0 = c.origin
-        region = (slice(i0 + a0, i0 + a1), slice(j0 + b0, j0 + b1), slice(k0 + t0, k0 + t1))
-        dst = view[a0:a1, b0:b1, t0:t1]
-        reader = self._readers[c.survey]
+    def _cut(self, c: Crop, view: np.ndarray) -> None:
+        """Copy crop ``c`` out of its region, fetching and decoding the region first if no process of
+        this node has."""
+        r = c.region
+        s = self.surveys[r.survey]
+        name = RegionPool.name(s.identity, r, self.dtype)
+        array = self.pool_of_regions.get(name, r.extent, self.dtype, lambda dst: self._fill_region(r, dst))
+        clock = time.thread_time()
+        box = tuple(slice(o - ro, o - ro + n) for o, ro, n in zip(c.origin, r.origin, c.extent))
+        np.copyto(view, array[box])
+        spent = time.thread_time() - clock
+        with self._lock:
+            self.copy_cpu += spent
+
+    def _fill_region(self, r: Region, dst: np.ndarray) -> None:
+        """``dst`` [*r.extent] = the region, normalised, dead traces 0."""
+        s = self.surveys[r.survey]
+        (i0, j0, k0), (d, h, w) = r.origin, r.extent
+        self._read_box(r.survey, (slice(i0, i0 + d), slice(j0, j0 + h), slice(k0, k0 + w)), dst)
+        if s.live_traces(i0, j0, d, h) < d * h:
+            dst[~s.trace_mask[i0:i0 + d, j0:j0 + h]] = 0
+
+    def _read_box(self, survey: int, region: tuple[slice, slice, slice], dst: np.ndarray) -> None:
+        s = self.surveys[survey]
+        reader = self._readers[survey]
         try:
             if reader is not None:
                 reader.read_into(region, dst, s.normalise_into)
             else:
-                s.normalise_into(self._arrays[c.survey][region], dst)
+                s.normalise_into(self._arrays[survey][region], dst)
         except Exception as err:
             axes = ("inline", "crossline", "sample")
             where = ", ".join(f"{name} {r.start}:{r.stop}" for name, r in zip(axes, region))
             raise SFMError(f"reading survey {s.name} ({s.store_url}) region [{where}] (indices) failed: "
                            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}; check the store "
                            f"is reachable (transient failures were retried for {self.retry_seconds:.0f} s)") from err
+
+    def _read_tile(self, c: Crop, tile, view: np.ndarray, full: bool) -> None:
+        s = self.surveys[c.survey]
+        (a0, a1), (b0, b1), (t0, t1) = tile
+        i0, j0, k0 = c.origin
+        region = (slice(i0 + a0, i0 + a1), slice(j0 + b0, j0 + b1), slice(k0 + t0, k0 + t1))
+        dst = view[a0:a1, b0:b1, t0:t1]
+        self._read_box(c.survey, region, dst)
         if not full:
             dst *= s.trace_mask[i0 + a0 : i0 + a1, j0 + b0 : j0 + b1, None]
 
     def read(self, index: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Sample ``index`` as float32 [1, *shape] ([1, D, H, W] without a slab), normalised."""
-        out = np.empty((1, *self.shape), dtype=np.float32) if out is None else out
+        """Sample ``index`` as [1, *shape] ([1, D, H, W] without a slab) of ``dtype``, normalised."""
+        out = np.empty((1, *self.shape), dtype=self.dtype) if out is None else out
         wait_all(self.submit(index, out))
         return out
 
     def read_many(self, indices: list[int], out: np.ndarray | None = None) -> np.ndarray:
         """Samples [len(indices), 1, *shape], read concurrently."""
-        out = np.empty((len(indices), 1, *self.shape), dtype=np.float32) if out is None else out
+        out = np.empty((len(indices), 1, *self.shape), dtype=self.dtype) if out is None else out
         wait_all([f for n, i in enumerate(indices) for f in self.submit(i, out[n])])
         return out
 

@@ -28,6 +28,7 @@ from torch.utils.data import IterableDataset
 from sfm.errors import SFMError
 
 from sfm.data.crops import CropSampler, wait_all
+from sfm.data.regions import RegionSettings
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 class CropDataset(IterableDataset):
-    """One rank's stream of batches, float32 tensors [B, 1, D, H, W] (use ``DataLoader(batch_size=None)``);
+    """One rank's stream of batches, tensors [B, 1, D, H, W] of the sampler's dtype (use ``DataLoader(batch_size=None)``);
     [B, 1, stop - start, H, W] when the sampler reads a slab. ``rank`` and ``world_size`` are the
     data-parallel ones: the context-parallel ranks of a group share them and differ in the slab.
 
@@ -62,6 +63,7 @@ class CropDataset(IterableDataset):
         self.start_batch = int(start_batch)
         self.num_batches = None if num_batches is None else int(num_batches)
         self.prefetch = max(0, int(prefetch))
+        sampler.plan_batches(self.batch_size, self.world_size)
 
     @property
     def epoch(self) -> int:
@@ -91,7 +93,7 @@ class CropDataset(IterableDataset):
     def _start(self, batch: int, buffers: "_BatchBuffers | None") -> tuple[torch.Tensor, list[Future]]:
         shape = (self.batch_size, 1, *self.sampler.shape)
         if buffers is None:  # a worker's batch goes to the main process by handle, not by copy
-            out = _shared_empty(shape)
+            out = _shared_empty(shape, self.sampler.dtype)
         else:
             out = torch.from_numpy(buffers.take())
         arr = out.numpy()
@@ -103,7 +105,7 @@ class CropDataset(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         pending: collections.deque = collections.deque()
         buffers = None if info is not None else _BatchBuffers((self.batch_size, 1, *self.sampler.shape),
-                                                              keep=self.prefetch + 4)
+                                                              keep=self.prefetch + 4, dtype=self.sampler.dtype)
         try:
             for batch in self.worker_batches(worker, workers):
                 pending.append(self._start(batch, buffers))
@@ -121,13 +123,16 @@ class CropDataset(IterableDataset):
                     f.cancel()
 
 
-def _shared_empty(shape: tuple[int, ...]) -> torch.Tensor:
-    """An uninitialised float32 tensor in shared memory. ``torch.empty().share_memory_()`` would
-    allocate private memory and copy it over: 2.3 against 1.5 s of CPU per GB in page faults."""
+def _shared_empty(shape: tuple[int, ...], dtype=np.float32) -> torch.Tensor:
+    """An uninitialised tensor (``dtype``: float32 or float16) in shared memory. ``torch.empty().share_memory_()``
+    would allocate private memory and copy it over: 2.3 against 1.5 s of CPU per GB in page faults."""
+    dtype = np.dtype(dtype)
+    torch_dtype = torch.float16 if dtype == np.float16 else torch.float32
     new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
     if new_shared is None:
-        return torch.empty(shape, dtype=torch.float32).share_memory_()
-    return torch.empty(0, dtype=torch.float32).set_(new_shared(4 * int(np.prod(shape)))).view(shape)
+        return torch.empty(shape, dtype=torch_dtype).share_memory_()
+    storage = new_shared(dtype.itemsize * int(np.prod(shape)))
+    return torch.empty(0, dtype=torch_dtype).set_(storage).view(shape)
 
 
 class _BatchBuffers:
@@ -140,15 +145,15 @@ class _BatchBuffers:
     most ``keep`` arrays are kept; past that (a consumer holding many batches) arrays are fresh.
     """
 
-    def __init__(self, shape: tuple[int, ...], keep: int):
-        self.shape, self.keep = shape, keep
+    def __init__(self, shape: tuple[int, ...], keep: int, dtype=np.float32):
+        self.shape, self.keep, self.dtype = shape, keep, np.dtype(dtype)
         self.arrays: list[np.ndarray] = []
 
     def take(self) -> np.ndarray:
         for n in range(len(self.arrays)):
             if sys.getrefcount(self.arrays[n]) == 2:  # the list's reference and the call's: free
                 return self.arrays[n]
-        array = np.empty(self.shape, dtype=np.float32)
+        array = np.empty(self.shape, dtype=self.dtype)
         if len(self.arrays) < self.keep:
             self.arrays.append(array)
         return array
@@ -159,8 +164,8 @@ class _BatchBuffers:
 
 
 class BatchStream:
-    """``next(stream)`` -> float32 tensor [B, 1, D, H, W] ([B, 1, stop - start, H, W] for a slab),
-    pinned when CUDA is present.
+    """``next(stream)`` -> tensor [B, 1, D, H, W] ([B, 1, stop - start, H, W] for a slab) of
+    ``data.batch_dtype``, pinned when CUDA is present.
 
     A DataLoader over a :class:`CropDataset` with ``workers`` processes (0: read in this process on
     the sampler's threads). Workers are started with ``forkserver``: S3 clients (obstore's runtime,
@@ -256,7 +261,9 @@ def training_stream(store_urls: list[str], data_cfg, rank: int = 0, world_size: 
         store_urls, tuple(data_cfg.crop), seed=data_cfg.seed, min_live_fraction=data_cfg.min_live_fraction,
         read_threads=data_cfg.read_threads, align=data_cfg.align,
         augment=[a.strip() for a in data_cfg.augment.split(",")], client=data_cfg.client,
-        retry_seconds=data_cfg.retry_seconds, slab=slab,
+        retry_seconds=data_cfg.retry_seconds, slab=slab, dtype=data_cfg.batch_dtype,
+        regions=RegionSettings(data_cfg.crops_per_region, tuple(data_cfg.region_bricks), data_cfg.regions_in_flight,
+                               data_cfg.pool_dir, data_cfg.pool_mb),
     )
     dataset = CropDataset(sampler, data_cfg.batch_size, rank, world_size, start_batch=start_batch,
                           prefetch=data_cfg.prefetch)

@@ -5,6 +5,7 @@ normalisation from the stored statistics) and the origins a crop may start at (:
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,16 @@ from sfm.errors import SFMError
 from sfm.data.store import open_survey_store
 
 log = logging.getLogger(__name__)
+_local = threading.local()
+
+
+def _scratch(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 array [*shape] of this thread's, reused."""
+    n = int(np.prod(shape))
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _local.buf = np.empty(n, dtype=np.float32)
+    return buf[:n].reshape(shape)
 
 
 @dataclass
@@ -33,11 +44,25 @@ class SurveyInfo:
     scale: float = 1.0  # amplitude = stored * scale + offset (float16 and int8 stores; identity for float32)
     offset: float = 0.0
 
+    version: str = ""  # what tells two ingests at one URL apart (source digest and store layout)
+
+    @property
+    def identity(self) -> str:
+        """Everything a normalised region of this survey depends on (names pooled regions)."""
+        return (f"{self.store_url}|{self.version}|{self.shape}|{self.bricks}|{self.clip}|{self.mean!r}|"
+                f"{self.std!r}|{self.scale!r}|{self.offset!r}")
+
     def normalise_into(self, stored: np.ndarray, dst: np.ndarray) -> None:
         """``dst = (clip(amplitude, p0.1, p99.9) - mean) / std`` from stored values, in three passes:
         the clip is done in stored units (the decode is increasing), decode and standardise fold into
         one multiply-add. (Cutting the passes into cache-sized blocks, or two passes through torch,
-        saved under 0.05 s of CPU per GB: a brick just decoded is still in the L3 cache.)"""
+        saved under 0.05 s of CPU per GB: a brick just decoded is still in the L3 cache.) A float16
+        ``dst`` is computed in float32 first: stored amplitudes may exceed float16's range."""
+        if dst.dtype != np.float32:
+            scratch = _scratch(stored.shape)
+            self.normalise_into(stored, scratch)
+            np.copyto(dst, scratch, casting="same_kind")
+            return
         lo, hi = ((c - self.offset) / self.scale for c in self.clip)
         np.clip(stored, lo, hi, out=dst, casting="unsafe")
         dst *= np.float32(self.scale / self.std)
@@ -108,5 +133,6 @@ def read_survey_info(store_url: str, store=None) -> tuple[SurveyInfo, Any]:
         shape=tuple(int(n) for n in amp.shape), bricks=tuple(int(n) for n in amp.chunks), trace_mask=mask,
         live_cells=table, clip=(float(pct["0.1"]), float(pct["99.9"])), mean=float(stats["mean"]),
         std=float(stats["std"]) or 1.0, scale=scale, offset=offset,
+        version=f"{attrs.get('checksum', '')}|{attrs.get('store', {})}",
     )
     return info, amp

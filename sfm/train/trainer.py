@@ -242,7 +242,8 @@ class Trainer:
     def _feed(self):
         for batch in self.stream:
             self.batch = self.stream.batch - 1
-            yield self.faults.apply(self.step + 1, batch).to(self.accelerator.device, non_blocking=True)
+            # float16 batches cross to the device at half the bytes and become float32 there
+            yield self.faults.apply(self.step + 1, batch).to(self.accelerator.device, non_blocking=True).float()
 
     def mask_noise(self, _micro: int, imgs: torch.Tensor) -> torch.Tensor:
         """The MAE mask noise [N, L] of this rank's share of the global batch at the stream's position:

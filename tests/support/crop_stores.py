@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import zarr
 
 from sfm import data
 from sfm.ingest import survey as ingest
@@ -74,3 +75,23 @@ def stream(urls, *, batch=4, rank=0, world=1, workers=0, start=0, num_batches=No
     sampler = data.CropSampler(urls, sampler_kw.pop("crop", (16, 16, 16)), **sampler_kw)
     dataset = data.CropDataset(sampler, batch, rank, world, start_batch=start, num_batches=num_batches)
     return data.BatchStream(dataset, workers=workers)
+
+
+def expected_crop(surveys, sampler: data.CropSampler, index: int) -> np.ndarray:
+    """Sample ``index`` computed from the generator's own amplitude, the stored statistics and the
+    crop's location, independently of the loader's read path."""
+    c = sampler.locate(index)
+    url = surveys.urls[surveys.urls.index(sampler.surveys[c.survey].store_url)]
+    stats = dict(zarr.open_group(url, mode="r").attrs)["stats"]
+    lo, hi = stats["percentiles"]["0.1"], stats["percentiles"]["99.9"]
+    k = surveys.urls.index(url)
+    region = tuple(slice(o, o + e) for o, e in zip(c.origin, c.extent))
+    x = (np.clip(surveys.amp[k][region].astype(np.float64), lo, hi) - stats["mean"]) / stats["std"]
+    x *= surveys.live[k][region[:2]][:, :, None]
+    if c.flip_inline:
+        x = x[::-1]
+    if c.flip_crossline:
+        x = x[:, ::-1]
+    if c.swap:
+        x = x.transpose(1, 0, 2)
+    return x

@@ -16,7 +16,7 @@ import pytest
 import torch
 import zarr
 
-from support.crop_stores import stream, survey_with_holes, surveys  # noqa: F401  (surveys: a fixture)
+from support.crop_stores import expected_crop, stream, survey_with_holes, surveys  # noqa: F401  (surveys: a fixture)
 from sfm import data
 from sfm.data import bricks, crops
 from sfm.config import JobConfig
@@ -37,24 +37,6 @@ def digest(crop: torch.Tensor) -> str:
     return hashlib.sha1(crop.numpy().tobytes()).hexdigest()
 
 
-def expected_crop(surveys, sampler: data.CropSampler, index: int) -> np.ndarray:
-    """Sample ``index`` computed from the generator's own amplitude, the stored statistics and the
-    crop's location, independently of the loader's read path."""
-    c = sampler.locate(index)
-    url = surveys.urls[surveys.urls.index(sampler.surveys[c.survey].store_url)]
-    stats = dict(zarr.open_group(url, mode="r").attrs)["stats"]
-    lo, hi = stats["percentiles"]["0.1"], stats["percentiles"]["99.9"]
-    k = surveys.urls.index(url)
-    region = tuple(slice(o, o + e) for o, e in zip(c.origin, c.extent))
-    x = (np.clip(surveys.amp[k][region].astype(np.float64), lo, hi) - stats["mean"]) / stats["std"]
-    x *= surveys.live[k][region[:2]][:, :, None]
-    if c.flip_inline:
-        x = x[::-1]
-    if c.flip_crossline:
-        x = x[:, ::-1]
-    if c.swap:
-        x = x.transpose(1, 0, 2)
-    return x
 
 
 def test_same_seed_gives_the_same_stream_and_seed_or_epoch_change_it(surveys):

@@ -1,0 +1,213 @@
+"""Many crops per fetched region (sfm.data.regions): the plan, the values, the node's shared pool,
+coalesced GETs, float16 batches, and exact resume with the pool on.
+
+Stores are real ingests (16^3 bricks) of synthetic SEG-Y files with traces missing from the file, so
+regions meet holes and the surveys' far edges.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from support.crop_stores import expected_crop, stream, surveys  # noqa: F401  (surveys: a fixture)
+from sfm import data
+from sfm.data import bricks, regions
+from sfm.data.regions import RegionPool, RegionSettings
+from sfm.errors import SFMError
+
+CROP = (16, 16, 16)
+
+
+def pooled(surveys, tmp_path, k=4, batch=4, world=1, **kw) -> data.CropSampler:
+    settings = RegionSettings(crops_per_region=k, region_bricks=(2, 2, 2), pool_dir=str(tmp_path / "pool"))
+    sampler = data.CropSampler(surveys.urls, kw.pop("crop", CROP), regions=settings, **kw)
+    sampler.plan_batches(batch, world)
+    return sampler
+
+
+def rank_samples(rank: int, world: int, batch: int, batches: int) -> list[list[int]]:
+    return [[(b * world + rank) * batch + n for n in range(batch)] for b in range(batches)]
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_the_plan_gives_each_region_at_most_k_samples_of_one_rank_and_each_batch_distinct_regions(
+        surveys, tmp_path, k):
+    batch, world, batches = 4, 2, 40
+    sampler = pooled(surveys, tmp_path, k=k, batch=batch, world=world)
+    owners: dict[int, set] = collections.defaultdict(set)
+    members: collections.Counter = collections.Counter()
+    for rank in range(world):
+        for indices in rank_samples(rank, world, batch, batches):
+            anchors = [sampler.plan.anchor(i) for i in indices]
+            assert len(set(anchors)) == batch  # every batch draws from `batch` distinct regions
+            for i, a in zip(indices, anchors):
+                owners[a].add(rank)
+                members[a] += 1
+                c = sampler.locate(i)
+                r = c.region
+                assert c.survey == r.survey
+                assert all(ro <= o and o + e <= ro + re for o, e, ro, re in zip(c.origin, c.extent, r.origin, r.extent))
+    assert all(len(ranks) == 1 for ranks in owners.values())  # a region belongs to one rank
+    assert max(members.values()) == k
+    # about one region per k samples, plus the lanes' first (staggered, shorter) regions
+    assert len(members) <= world * (batch * batches // k + sampler.plan.lanes)
+    assert len(members) >= world * batch * batches // k
+
+
+def test_pooled_crops_are_the_survey_voxels(surveys, tmp_path):
+    sampler = pooled(surveys, tmp_path, k=4)
+    try:
+        batch = sampler.read_many(list(range(24)))
+        for i in range(24):
+            np.testing.assert_allclose(batch[i, 0], expected_crop(surveys, sampler, i), rtol=1e-5, atol=1e-5)
+        stats = sampler.cpu_stats()
+        assert stats["regions_built"] < 24 and stats["regions_built"] + stats["regions_reused"] >= 1
+    finally:
+        sampler.close()
+
+
+def test_float16_pooled_crops_round_the_float32_ones(surveys, tmp_path):
+    a = pooled(surveys, tmp_path / "a", k=4)
+    b = pooled(surveys, tmp_path / "b", k=4, dtype="float16")
+    try:
+        x, y = a.read_many(list(range(8))), b.read_many(list(range(8)))
+        assert y.dtype == np.float16
+        np.testing.assert_allclose(y.astype(np.float32), x, rtol=2e-3, atol=2e-3)
+    finally:
+        a.close(), b.close()
+
+
+def test_a_slab_of_a_pooled_crop_is_those_rows_of_the_crop(surveys, tmp_path):
+    whole = pooled(surveys, tmp_path, k=4)
+    part = pooled(surveys, tmp_path, k=4, slab=(4, 12))
+    try:
+        for i in range(8):
+            np.testing.assert_array_equal(part.read(i)[0], whole.read(i)[0, 4:12])
+    finally:
+        whole.close(), part.close()
+
+
+def _read_in_another_process(urls, pool_dir, indices, queue):
+    settings = RegionSettings(crops_per_region=4, region_bricks=(2, 2, 2), pool_dir=pool_dir)
+    sampler = data.CropSampler(urls, CROP, regions=settings)
+    sampler.plan_batches(4, 1)
+    out = sampler.read_many(indices)
+    queue.put((hashlib.sha1(out.tobytes()).hexdigest(), sampler.cpu_stats()))
+    sampler.close()
+
+
+def test_another_process_of_the_node_reads_the_regions_without_fetching_them(surveys, tmp_path):
+    sampler = pooled(surveys, tmp_path, k=4)
+    indices = list(range(16))
+    try:
+        mine = hashlib.sha1(sampler.read_many(indices).tobytes()).hexdigest()
+        built = sampler.cpu_stats()["regions_built"]
+    finally:
+        sampler.close()
+    assert built >= 4
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_read_in_another_process, args=(surveys.urls, str(tmp_path / "pool"), indices, queue))
+    proc.start()
+    theirs, stats = queue.get(timeout=120)
+    proc.join(30)
+    assert theirs == mine
+    assert stats["regions_built"] == 0 and stats["regions_reused"] == built
+    assert stats["receive"] == 0.0  # nothing of the amplitude fetched
+
+
+def _exit_at_once():
+    pass
+
+
+def test_a_dead_builders_lock_is_taken_over_and_a_stuck_one_after_the_wait(tmp_path):
+    pool = RegionPool(str(tmp_path), budget_bytes=1 << 30, wait_seconds=0.3)
+    region = regions.Region(0, (0, 0, 0), (4, 4, 4))
+    name = RegionPool.name("survey", region, np.float32)
+    ctx = multiprocessing.get_context("spawn")
+    dead = ctx.Process(target=_exit_at_once)
+    dead.start()
+    dead.join()
+    (tmp_path / f"{name}.lock").write_text(f"{dead.pid} {time.time()}")
+    got = pool.get(name, (4, 4, 4), np.float32, lambda a: a.fill(3.0))
+    assert float(got.sum()) == 3.0 * 64 and pool.built == 1
+    assert (tmp_path / f"{name}.npy").exists() and not (tmp_path / f"{name}.lock").exists()
+    other = RegionPool.name("survey", region._replace(origin=(4, 0, 0)), np.float32)
+    (tmp_path / f"{other}.lock").write_text(f"{os.getpid()} {time.time()}")  # alive (this process), stuck
+    started = time.monotonic()
+    got = pool.get(other, (4, 4, 4), np.float32, lambda a: a.fill(1.0))  # waits wait_seconds, then takes over
+    assert time.monotonic() - started >= 0.3
+    assert float(got.sum()) == 64.0 and (tmp_path / f"{other}.npy").exists()
+    assert not got.flags.writeable
+
+
+def test_the_pool_evicts_oldest_first_past_its_budget(tmp_path):
+    one = 16 * 16 * 16 * 4
+    pool = RegionPool(str(tmp_path), budget_bytes=3 * one + 3 * 128)
+    names = [RegionPool.name("s", regions.Region(0, (16 * n, 0, 0), (16, 16, 16)), np.float32) for n in range(5)]
+    for n, name in enumerate(names):
+        pool.get(name, (16, 16, 16), np.float32, lambda a, n=n: a.fill(n))
+        os.utime(tmp_path / f"{name}.npy", (n, n))  # distinct ages
+    kept = sorted(p.stem for p in Path(tmp_path).glob("*.npy"))
+    assert kept == sorted(names[-3:])
+
+
+def test_resume_with_the_pool_gives_the_batches_of_an_uninterrupted_run(surveys, tmp_path):
+    settings = RegionSettings(crops_per_region=4, pool_dir=str(tmp_path / "pool"))
+
+    def batches(start, n, workers):
+        s = stream(surveys.urls, batch=3, workers=workers, start=start, regions=settings)
+        try:
+            return [hashlib.sha1(next(s).numpy().tobytes()).hexdigest() for _ in range(n)]
+        finally:
+            s.close()
+
+    straight = batches(0, 8, workers=0)
+    assert batches(5, 3, workers=2) == straight[5:]
+    assert batches(0, 8, workers=2) == straight
+
+
+def test_float16_batch_stream_yields_float16(surveys, tmp_path):
+    s = stream(surveys.urls, batch=2, dtype="float16")
+    try:
+        assert next(s).dtype == torch.float16
+    finally:
+        s.close()
+
+
+def test_bricks_stored_back_to_back_are_one_get(surveys):
+    import zarr
+
+    url = surveys.urls[0]
+    store = data.open_survey_store(url)
+    amp = zarr.open_group(store, mode="r")["amplitude"]
+    reader = bricks.BrickReader.for_array(amp)
+    assert reader is not None and reader.per_shard[2] >= 2  # several bricks per shard along the samples
+    info, _ = data.read_survey_info(url)
+    region = (slice(0, 16), slice(0, 16), slice(0, 32))  # two bricks of one shard
+    out = np.empty((16, 16, 32), np.float32)
+    reader.read_into(region, out, info.normalise_into)  # reads the shard index too
+    before = store.requests
+    reader.read_into(region, out, info.normalise_into)
+    assert store.requests - before == 1
+    expected = np.empty_like(out)
+    info.normalise_into(amp[region], expected)
+    np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("settings, match", [
+    (RegionSettings(crops_per_region=0), "crops_per_region"),
+    (RegionSettings(crops_per_region=4, region_bricks=(2, 0, 2)), "region_bricks"),
+])
+def test_bad_region_settings_are_one_line_errors(surveys, settings, match):
+    with pytest.raises(SFMError, match=match):
+        data.CropSampler(surveys.urls, CROP, regions=settings)
