@@ -18,7 +18,7 @@ ranks of a node never fetch one region twice; the DataLoader workers of a rank, 
 batches of the same lanes, and the context-parallel ranks of a group share regions through the pool.
 
 The pool is a directory in shared memory (``/dev/shm``): one ``.npy`` file per decoded region, named by
-a digest of the survey's identity, the region's box and the value type. A process that needs a region
+a digest of the survey's identity, the region's draw and box, and the value type. A process that needs a region
 that is not there takes its lock file (``O_EXCL``), builds the region in a temporary file and renames
 it into place; the others wait for it. A lock whose process died is taken over; files are evicted
 oldest first past ``data.pool_mb``. A region is never seen half-written, and since every file is a
@@ -49,11 +49,13 @@ POOL_VERSION = 1  # part of every region's file name: a new pool layout never re
 
 
 class Region(NamedTuple):
-    """A box of survey ``survey``: ``origin`` + ``extent`` voxels (inline, crossline, sample)."""
+    """A box of survey ``survey``: ``origin`` + ``extent`` voxels (inline, crossline, sample), drawn for
+    the samples of ``draw`` = (seed, epoch, anchor)."""
 
     survey: int
     origin: tuple[int, int, int]
     extent: tuple[int, int, int]
+    draw: tuple[int, int, int] = (0, 0, -1)
 
 
 class _SurveyRegions:
@@ -150,7 +152,7 @@ class RegionPlan:
         rng = np.random.default_rng([seed, epoch, int(anchor)])
         survey = int(rng.choice(len(self.grids), p=self.weights))
         origin, extent = self.grids[survey].draw(rng)
-        return Region(survey, origin, extent)
+        return Region(survey, origin, extent, (int(seed), int(epoch), int(anchor)))
 
 
 def region_bytes(extent, dtype) -> int:
@@ -200,7 +202,10 @@ class RegionPool:
 
     @staticmethod
     def name(identity: str, region: Region, dtype) -> str:
-        text = f"v{POOL_VERSION}|{identity}|{region.origin}|{region.extent}|{np.dtype(dtype).str}"
+        """The file name of ``region`` of the survey ``identity`` decoded as ``dtype``. It includes the
+        draw: two anchors that happen to draw one box fetch it twice (rare on a survey of many regions),
+        so a region's fetches are exactly the plan's, whatever the survey's size."""
+        text = f"v{POOL_VERSION}|{identity}|{region.draw}|{region.origin}|{region.extent}|{np.dtype(dtype).str}"
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def get(self, name: str, shape: tuple[int, ...], dtype, build: Callable[[np.ndarray], None]) -> np.ndarray:
