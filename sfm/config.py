@@ -94,7 +94,7 @@ class DataConfig:
     regions_in_flight: int = 0  # regions a rank cuts from at once; 0: the batch size (each batch: distinct regions)
     batch_dtype: str = "float32"  # float32 | float16 (GPUs train in bf16: half the bytes of every copy)
     pool_dir: str = ""  # decoded regions shared by a node's processes; "": /dev/shm, else the temp dir
-    pool_mb: int = 0  # bound on the node pool's size; 0: three regions per lane for each of the node's ranks
+    pool_mb: int = 0  # bound on the node pool's size; 0: two regions per lane for each of the node's ranks
 
 
 @dataclass

@@ -28,7 +28,8 @@ from sfm.data.bricks import BrickReader
 from sfm.config import ALIGNMENTS, AUGMENTATIONS, BATCH_DTYPES
 from sfm.errors import SFMError
 
-from sfm.data.regions import Region, RegionPlan, RegionPool, RegionSettings, region_bytes
+from sfm.data.region_pool import RegionPool, region_bytes
+from sfm.data.regions import Region, RegionPlan, RegionSettings
 from sfm.data.store import open_survey_store, ResilientStore
 from sfm.data.survey import SurveyInfo, read_survey_info
 
@@ -271,9 +272,9 @@ class CropSampler:
                                tuple(r.region_bricks), r.regions_in_flight, batch_size, world_size)
         largest = max(region_bytes(g.extent, self.dtype) for g in self.plan.grids)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        budget = int(r.pool_mb) * (1 << 20) or 3 * self.plan.lanes * largest * max(1, local_ranks)
+        budget = int(r.pool_mb) * (1 << 20) or 2 * self.plan.lanes * largest * max(1, local_ranks)
         self.pool_of_regions = RegionPool(r.pool_dir, budget)
-        self.pool_of_regions._keep = 2 * self.plan.lanes + 8
+        self.pool_of_regions.keep = budget // largest + 8  # a map of every file: recycled files fault no page
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -334,14 +335,17 @@ class CropSampler:
         this node has."""
         r = c.region
         s = self.surveys[r.survey]
-        name = RegionPool.name(s.identity, r, self.dtype)
-        array = self.pool_of_regions.get(name, r.extent, self.dtype, lambda dst: self._fill_region(r, dst))
-        clock = time.thread_time()
         box = tuple(slice(o - ro, o - ro + n) for o, ro, n in zip(c.origin, r.origin, c.extent))
-        np.copyto(view, array[box])
-        spent = time.thread_time() - clock
-        with self._lock:
-            self.copy_cpu += spent
+
+        def copy(region: np.ndarray) -> None:
+            clock = time.thread_time()
+            np.copyto(view, region[box])
+            spent = time.thread_time() - clock
+            with self._lock:
+                self.copy_cpu += spent
+
+        self.pool_of_regions.use(RegionPool.name(s.identity, r, self.dtype), r.extent, self.dtype,
+                                 lambda dst: self._fill_region(r, dst), copy)
 
     def _fill_region(self, r: Region, dst: np.ndarray) -> None:
         """``dst`` [*r.extent] = the region, normalised, dead traces 0."""

@@ -1,5 +1,4 @@
-"""Many crops per fetched region: the region plan (:class:`RegionPlan`) and the node's pool of decoded
-regions (:class:`RegionPool`).
+"""Many crops per fetched region: the region plan (:class:`RegionPlan`).
 
 A region is a box of whole stored bricks (``data.region_bricks``, e.g. 2 x 2 x 2 bricks of 128^3: 256^3
 voxels). It is fetched once (bricks stored back to back by one GET), decoded once, normalised straight
@@ -17,35 +16,17 @@ first sample, and drawn from ``(seed, epoch, anchor)`` as a crop would be; its c
 ranks of a node never fetch one region twice; the DataLoader workers of a rank, which make alternate
 batches of the same lanes, and the context-parallel ranks of a group share regions through the pool.
 
-The pool is a directory in shared memory (``/dev/shm``): one ``.npy`` file per decoded region, named by
-a digest of the survey's identity, the region's draw and box, and the value type. A process that needs a region
-that is not there takes its lock file (``O_EXCL``), builds the region in a temporary file and renames
-it into place; the others wait for it. A lock whose process died is taken over; files are evicted
-oldest first past ``data.pool_mb``. A region is never seen half-written, and since every file is a
-pure function of its name, a reader cannot tell who built it.
+The pool of decoded regions a node's processes share is :class:`sfm.data.region_pool.RegionPool`.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import logging
-import os
-import tempfile
-import threading
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from sfm.errors import SFMError
-
-log = logging.getLogger(__name__)
-
-POOL_VERSION = 1  # part of every region's file name: a new pool layout never reads an old file
 
 
 class Region(NamedTuple):
@@ -104,10 +85,14 @@ class _SurveyRegions:
     def crop_origin(self, region: Region, rng: np.random.Generator) -> tuple[int, int, int]:
         """A crop origin inside ``region``, uniform among the allowed ones."""
         (lo_i, hi_i), (lo_j, hi_j) = (self._window(np.int64(region.origin[a]), a) for a in (0, 1))
-        window = self.allowed[lo_i:hi_i, lo_j:hi_j]
-        flat = np.flatnonzero(window)
-        r = int(flat[rng.integers(0, flat.size)])
-        i, j = divmod(r, window.shape[1])
+        t = self.table
+        inside = int(t[hi_i, hi_j] - t[lo_i, hi_j] - t[hi_i, lo_j] + t[lo_i, lo_j])
+        width = int(hi_j - lo_j)
+        if inside == (hi_i - lo_i) * width:  # every origin allowed (most regions): no search
+            i, j = divmod(int(rng.integers(0, inside)), width)
+        else:
+            flat = np.flatnonzero(self.allowed[lo_i:hi_i, lo_j:hi_j])
+            i, j = divmod(int(flat[rng.integers(0, flat.size)]), width)
         a_t = self.step[2]
         t_lo = -(-region.origin[2] // a_t)
         t_hi = (region.origin[2] + region.extent[2] - self.crop[2]) // a_t
@@ -132,6 +117,7 @@ class RegionPlan:
         self.batch_size, self.world_size = int(batch_size), int(world_size)
         self.lanes = max(int(lanes) or self.batch_size, self.batch_size)
         self.weights = weights
+        self._drawn: dict[tuple[int, int, int], Region] = {}
         self.grids = [_SurveyRegions(s.shape, s.bricks, region_bricks, crop, o.allowed, st)
                       for s, o, st in zip(surveys, origins, steps)]
 
@@ -148,208 +134,19 @@ class RegionPlan:
         return (fb * self.world_size + rank) * self.batch_size + fn
 
     def region(self, seed: int, epoch: int, anchor: int) -> Region:
-        """The region named by ``anchor``: a survey by weight, then a box within it."""
-        rng = np.random.default_rng([seed, epoch, int(anchor)])
+        """The region named by ``anchor``: a survey by weight, then a box within it (remembered: its
+        other k - 1 samples ask again)."""
+        draw = (int(seed), int(epoch), int(anchor))
+        hit = self._drawn.get(draw)
+        if hit is not None:
+            return hit
+        rng = np.random.default_rng(list(draw))
         survey = int(rng.choice(len(self.grids), p=self.weights))
         origin, extent = self.grids[survey].draw(rng)
-        return Region(survey, origin, extent, (int(seed), int(epoch), int(anchor)))
-
-
-def region_bytes(extent, dtype) -> int:
-    return int(np.prod(extent)) * np.dtype(dtype).itemsize
-
-
-def default_pool_dir() -> str:
-    """``/dev/shm/sfm-regions`` where shared memory is mounted, else under the temp dir."""
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return str(base / "sfm-regions")
-
-
-class RegionPool:
-    """Decoded regions as read-only arrays shared by the processes of a node (see the module docstring).
-
-    Args:
-        directory: the pool's directory (created); "" for :func:`default_pool_dir`.
-        budget_bytes: files are evicted, oldest first, while the pool holds more than this.
-        wait_seconds: how long to wait for another process building a region before building it here.
-    """
-
-    def __init__(self, directory: str, budget_bytes: int, wait_seconds: float = 300.0):
-        self.directory = Path(directory or default_pool_dir())
-        self.budget_bytes = int(budget_bytes)
-        self.wait_seconds = float(wait_seconds)
-        self.built = 0  # regions this process built (fetched)
-        self.reused = 0  # regions found in the pool (each counted once per process while mapped here)
-        self._mapped: OrderedDict[str, np.ndarray] = OrderedDict()  # this process's open maps
-        self._keep = 64
-        self._lock = threading.Lock()
-        self._warned = False
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise SFMError(f"cannot create the region pool {self.directory}: {err}; set data.pool_dir to a "
-                           "writable directory (shared memory: /dev/shm)") from err
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state.update(_mapped=OrderedDict(), _lock=None, built=0, reused=0)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def name(identity: str, region: Region, dtype) -> str:
-        """The file name of ``region`` of the survey ``identity`` decoded as ``dtype``. It includes the
-        draw: two anchors that happen to draw one box fetch it twice (rare on a survey of many regions),
-        so a region's fetches are exactly the plan's, whatever the survey's size."""
-        text = f"v{POOL_VERSION}|{identity}|{region.draw}|{region.origin}|{region.extent}|{np.dtype(dtype).str}"
-        return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-    def get(self, name: str, shape: tuple[int, ...], dtype, build: Callable[[np.ndarray], None]) -> np.ndarray:
-        """The region file ``name`` as a read-only array [*shape]; ``build(array)`` fills it when no
-        process has: called here at most once, in a private array when the pool has no room."""
-        with self._lock:
-            hit = self._mapped.get(name)
-            if hit is not None:
-                self._mapped.move_to_end(name)
-                return hit
-        ready = self.directory / f"{name}.npy"
-        lock = self.directory / f"{name}.lock"
-        waited_since = None
-        while True:
-            array = self._open(ready)
-            if array is not None:
-                return self._remember(name, array, reused=True)
-            try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                if self._stale(lock):
-                    _unlink(lock)
-                    continue
-                waited_since = waited_since or time.monotonic()
-                if time.monotonic() - waited_since > self.wait_seconds:
-                    log.warning("region pool: %s has been locked for %.0f s; building it in this process",
-                                lock, self.wait_seconds)
-                    return self._private(shape, dtype, build)
-                time.sleep(0.002)
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(f"{os.getpid()} {time.time():.3f}")
-            try:
-                array = self._open(ready)  # built by the previous holder between our look and our lock
-                if array is not None:
-                    return self._remember(name, array, reused=True)
-                return self._remember(name, self._build(name, ready, shape, dtype, build))
-            finally:
-                _unlink(lock)
-
-    def _build(self, name, ready: Path, shape, dtype, build) -> np.ndarray:
-        nbytes = region_bytes(shape, dtype)
-        self._make_room(nbytes)
-        tmp = self.directory / f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            array = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=tuple(shape))
-            build(array)
-            array.flush()
-            os.replace(tmp, ready)
-        except OSError as err:
-            _unlink(tmp)
-            if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
-                raise
-            if not self._warned:
-                self._warned = True
-                log.warning("region pool %s is full (%s); regions are decoded per process. Give the node "
-                            "more shared memory or set data.pool_dir / data.pool_mb", self.directory, err)
-            return self._private(shape, dtype, build)
-        except BaseException:
-            _unlink(tmp)
-            raise
-        self.built += 1
-        array.flags.writeable = False
-        return array
-
-    def _private(self, shape, dtype, build) -> np.ndarray:
-        array = np.empty(shape, dtype=dtype)
-        build(array)
-        self.built += 1
-        array.flags.writeable = False
-        return array
-
-    def _open(self, ready: Path) -> np.ndarray | None:
-        try:
-            array = np.load(ready, mmap_mode="r")
-        except (FileNotFoundError, ValueError, OSError):
-            return None
-        try:
-            os.utime(ready)  # recently used: evicted last
-        except OSError:
-            pass
-        return array
-
-    def _remember(self, name: str, array: np.ndarray, reused: bool = False) -> np.ndarray:
-        with self._lock:
-            if name in self._mapped:  # another thread of this process opened it meanwhile
-                return self._mapped[name]
-            self.reused += reused
-            self._mapped[name] = array
-            while len(self._mapped) > self._keep:
-                self._mapped.popitem(last=False)
-        return array
-
-    def _stale(self, lock: Path) -> bool:
-        """True when the lock's process is gone (or the lock is older than ``wait_seconds``)."""
-        try:
-            text = lock.read_text().split()
-            pid, since = int(text[0]), float(text[1])
-        except (OSError, ValueError, IndexError):
-            try:
-                return time.time() - lock.stat().st_mtime > 5.0  # unreadable for 5 s: its writer died
-            except OSError:
-                return False
-        if time.time() - since > self.wait_seconds:
-            return True
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
-
-    def _make_room(self, nbytes: int) -> None:
-        """Evict the oldest regions while the pool would hold more than its budget; remove temporary
-        files left by dead builders."""
-        entries = []
-        now = time.time()
-        try:
-            scan = list(os.scandir(self.directory))
-        except OSError:
-            return
-        for entry in scan:
-            try:
-                st = entry.stat()
-            except OSError:
-                continue
-            if entry.name.endswith(".tmp") and now - st.st_mtime > 600:
-                _unlink(Path(entry.path))
-            elif entry.name.endswith(".npy"):
-                entries.append((st.st_mtime, st.st_size, entry.path))
-        total = sum(size for _, size, _ in entries) + nbytes
-        for _, size, path in sorted(entries):
-            if total <= self.budget_bytes:
-                break
-            _unlink(Path(path))  # maps open elsewhere stay valid until closed
-            total -= size
-
-
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+        region = self._drawn[draw] = Region(survey, origin, extent, draw)
+        if len(self._drawn) > 4 * self.lanes * self.k:
+            self._drawn.pop(next(iter(self._drawn)))  # the oldest: dicts keep insertion order
+        return region
 
 
 @dataclass

@@ -58,12 +58,22 @@ class SurveyInfo:
         one multiply-add. (Cutting the passes into cache-sized blocks, or two passes through torch,
         saved under 0.05 s of CPU per GB: a brick just decoded is still in the L3 cache.) A float16
         ``dst`` is computed in float32 first: stored amplitudes may exceed float16's range."""
-        if dst.dtype != np.float32:
+        lo, hi = ((c - self.offset) / self.scale for c in self.clip)
+        if min(dst.strides) >= 0 and (dst.dtype != np.float32 or not dst.flags.c_contiguous):
+            # a region of the pool, or a float16 batch: torch's casts and strided writes cost a
+            # quarter of numpy's
+            import torch
+
+            x = torch.from_numpy(_scratch(stored.shape))
+            x.copy_(torch.from_numpy(stored)).clamp_(lo, hi)
+            x.mul_(self.scale / self.std).add_((self.offset - self.mean) / self.std)
+            torch.from_numpy(dst).copy_(x)
+            return
+        if dst.dtype != np.float32:  # flipped float16 destination (torch takes no negative strides)
             scratch = _scratch(stored.shape)
             self.normalise_into(stored, scratch)
             np.copyto(dst, scratch, casting="same_kind")
             return
-        lo, hi = ((c - self.offset) / self.scale for c in self.clip)
         np.clip(stored, lo, hi, out=dst, casting="unsafe")
         dst *= np.float32(self.scale / self.std)
         dst += np.float32((self.offset - self.mean) / self.std)

@@ -1,8 +1,8 @@
 """The crop loader against S3 servers on loopback that go away mid-stream.
 
-- ``rclone serve s3`` (disk-backed) is killed and restarted while the loader reads: the stream
-  neither crashes nor skips nor repeats a batch (compared with the same stream read from the same
-  store as a local folder), and the loader did retry.
+- ``rclone serve s3`` (disk-backed) is killed and restarted while the loader reads, with a fetch per
+  crop and with the region pool: the stream neither crashes nor skips nor repeats a batch (compared
+  with the same stream read from the same store as a local folder), and the loader did retry.
 - A proxy in front of moto_server resets connections, then throttles (503 SlowDown), while DataLoader
   worker processes read through sfm.storage.ranged_get, or through obstore: same result.
 - A read that keeps failing past ``retry_seconds`` raises one SFMError naming the survey and region.
@@ -18,14 +18,16 @@ import torch
 from support.crop_stores import survey_with_holes
 from support.s3_rclone import fault_proxy, rclone_s3  # noqa: F401  (fixtures)
 from sfm import data
+from sfm.data.regions import RegionSettings
 from sfm.errors import SFMError
 
 CROP = (16, 16, 16)
 
 
-def open_stream(url: str, *, workers: int = 0, client: str = "auto", retry_seconds: float = 60.0, **kw):
+def open_stream(url: str, *, workers: int = 0, client: str = "auto", retry_seconds: float = 60.0, regions=None,
+                **kw):
     sampler = data.CropSampler([url], CROP, seed=kw.pop("seed", 31), augment=data.AUGMENTATIONS,
-                               client=client, retry_seconds=retry_seconds, read_threads=4)
+                               client=client, retry_seconds=retry_seconds, read_threads=4, regions=regions)
     return data.BatchStream(data.CropDataset(sampler, 4, prefetch=1, **kw), workers=workers)
 
 
@@ -40,16 +42,18 @@ def assert_same_batches(got: list[torch.Tensor], want: list[torch.Tensor]) -> No
 
 
 @pytest.mark.timeout(240)
-def test_stream_survives_a_restart_of_rclone_serve_s3(rclone_s3, monkeypatch, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("k", [1, 4])
+def test_stream_survives_a_restart_of_rclone_serve_s3(rclone_s3, monkeypatch, tmp_path, k):  # noqa: F811
     for key, value in rclone_s3.env().items():
         monkeypatch.setenv(key, value)
-    rclone_s3.make_bucket("stream")
-    url, _, _ = survey_with_holes(tmp_path, "s3://stream/root", shape=(48, 40, 64), seed=3)
-    reference = open_stream(str(rclone_s3.local_path(url)))  # the same bytes, read as a local folder
+    rclone_s3.make_bucket(f"stream-{k}")
+    url, _, _ = survey_with_holes(tmp_path, f"s3://stream-{k}/root", shape=(48, 40, 64), seed=3)
+    pools = [RegionSettings(crops_per_region=k, pool_dir=str(tmp_path / f"pool-{n}")) for n in range(2)]
+    reference = open_stream(str(rclone_s3.local_path(url)), regions=pools[0])  # the same bytes, as a local folder
     want = take(reference, 12)
     reference.close()
 
-    stream = open_stream(url)
+    stream = open_stream(url, regions=pools[1])
     assert stream.sampler._stores[0].range_reader is not None  # "auto": bricks over sfm.storage.ranged_get
     got = take(stream, 3)
     rclone_s3.stop()  # killed mid-stream: open connections reset, new ones refused

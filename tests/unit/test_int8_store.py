@@ -152,3 +152,33 @@ def test_a_bad_dtype_is_one_line_naming_the_choices():
 
     args = build_parser().parse_args(["ingest", "a.sgy", "--out", "root", "--dtype", "int8"])
     assert args.dtype == "int8"
+
+
+def test_the_brick_reader_and_the_region_pool_read_int8_stores_as_zarr_does(survey, tmp_path):
+    from sfm.data.bricks import BrickReader
+    from sfm.data.regions import RegionSettings
+
+    group = survey.store.group
+    reader = BrickReader.for_array(group["amplitude"])
+    assert reader is not None and reader.dtype == np.int8  # int8 bricks decoded by the brick reader
+    crop = (8, 8, 8)
+    direct = data.CropSampler([survey.store.url], crop, seed=3, brick_reader=False)
+    pooled = data.CropSampler([survey.store.url], crop, seed=3, regions=RegionSettings(
+        crops_per_region=4, pool_dir=str(tmp_path / "pool")))
+    pooled.plan_batches(4, 1)
+    try:
+        for i in range(8):
+            c = pooled.locate(i)
+            box = tuple(slice(o, o + e) for o, e in zip(c.origin, c.extent))
+            expected = np.empty(crop, np.float32)
+            direct.surveys[0].normalise_into(group["amplitude"][box], expected)
+            expected *= survey.live[box[:2]][:, :, None]
+            if c.flip_inline:
+                expected = expected[::-1]
+            if c.flip_crossline:
+                expected = expected[:, ::-1]
+            if c.swap:
+                expected = expected.transpose(1, 0, 2)
+            np.testing.assert_allclose(pooled.read(i)[0], expected, rtol=1e-6, atol=1e-6)
+    finally:
+        direct.close(), pooled.close()

@@ -21,7 +21,8 @@ import torch
 from support.crop_stores import expected_crop, stream, surveys  # noqa: F401  (surveys: a fixture)
 from sfm import data
 from sfm.data import bricks, regions
-from sfm.data.regions import RegionPool, RegionSettings
+from sfm.data.region_pool import RegionPool
+from sfm.data.regions import RegionSettings
 from sfm.errors import SFMError
 
 CROP = (16, 16, 16)
@@ -129,6 +130,14 @@ def _exit_at_once():
     pass
 
 
+def fill_with(value):
+    return lambda a: a.fill(value)
+
+
+def total(region: np.ndarray) -> float:
+    return float(region.sum())
+
+
 def test_a_dead_builders_lock_is_taken_over_and_a_stuck_one_after_the_wait(tmp_path):
     pool = RegionPool(str(tmp_path), budget_bytes=1 << 30, wait_seconds=0.3)
     region = regions.Region(0, (0, 0, 0), (4, 4, 4))
@@ -138,27 +147,92 @@ def test_a_dead_builders_lock_is_taken_over_and_a_stuck_one_after_the_wait(tmp_p
     dead.start()
     dead.join()
     (tmp_path / f"{name}.lock").write_text(f"{dead.pid} {time.time()}")
-    got = pool.get(name, (4, 4, 4), np.float32, lambda a: a.fill(3.0))
-    assert float(got.sum()) == 3.0 * 64 and pool.built == 1
-    assert (tmp_path / f"{name}.npy").exists() and not (tmp_path / f"{name}.lock").exists()
+    assert pool.use(name, (4, 4, 4), np.float32, fill_with(3.0), total) == 3.0 * 64 and pool.built == 1
+    assert (tmp_path / f"{name}.region").exists() and not (tmp_path / f"{name}.lock").exists()
     other = RegionPool.name("survey", region._replace(origin=(4, 0, 0)), np.float32)
     (tmp_path / f"{other}.lock").write_text(f"{os.getpid()} {time.time()}")  # alive (this process), stuck
     started = time.monotonic()
-    got = pool.get(other, (4, 4, 4), np.float32, lambda a: a.fill(1.0))  # waits wait_seconds, then takes over
-    assert time.monotonic() - started >= 0.3
-    assert float(got.sum()) == 64.0 and (tmp_path / f"{other}.npy").exists()
-    assert not got.flags.writeable
+    assert pool.use(other, (4, 4, 4), np.float32, fill_with(1.0), total) == 64.0  # waits, then takes over
+    assert time.monotonic() - started >= 0.3 and (tmp_path / f"{other}.region").exists()
 
 
-def test_the_pool_evicts_oldest_first_past_its_budget(tmp_path):
-    one = 16 * 16 * 16 * 4
-    pool = RegionPool(str(tmp_path), budget_bytes=3 * one + 3 * 128)
-    names = [RegionPool.name("s", regions.Region(0, (16 * n, 0, 0), (16, 16, 16)), np.float32) for n in range(5)]
+def test_past_its_budget_the_pool_recycles_the_oldest_file(tmp_path):
+    shape = (16, 16, 16)
+    size = 4096 + 16 ** 3 * 4
+    pool = RegionPool(str(tmp_path), budget_bytes=3 * size)
+    names = [RegionPool.name("s", regions.Region(0, (16 * n, 0, 0), shape), np.float32) for n in range(5)]
+    inodes = []
     for n, name in enumerate(names):
-        pool.get(name, (16, 16, 16), np.float32, lambda a, n=n: a.fill(n))
-        os.utime(tmp_path / f"{name}.npy", (n, n))  # distinct ages
-    kept = sorted(p.stem for p in Path(tmp_path).glob("*.npy"))
-    assert kept == sorted(names[-3:])
+        assert pool.use(name, shape, np.float32, fill_with(n), total) == n * 16 ** 3
+        os.utime(tmp_path / f"{name}.region", (n, n))  # distinct ages
+        inodes.append(os.stat(tmp_path / f"{name}.region").st_ino)
+    assert sorted(p.stem for p in tmp_path.glob("*.region")) == sorted(names[-3:])
+    assert inodes[3] == inodes[0] and inodes[4] == inodes[1]  # the oldest files took the new regions
+    # the recycled name is gone: using it again builds it anew, with its own values
+    assert pool.use(names[0], shape, np.float32, fill_with(7.0), total) == 7.0 * 16 ** 3
+
+
+def test_a_read_of_a_region_recycled_under_it_is_done_again(tmp_path):
+    shape = (8, 8, 8)
+    pool = RegionPool(str(tmp_path), budget_bytes=1 << 30)
+    name = RegionPool.name("s", regions.Region(0, (0, 0, 0), shape), np.float32)
+    other = RegionPool.name("s", regions.Region(0, (8, 0, 0), shape), np.float32)
+    builds = []
+
+    def build(a):
+        builds.append(1)
+        a.fill(2.0)
+
+    reads = []
+
+    def read(region):
+        reads.append(float(region.sum()))
+        if len(reads) == 1:  # another process recycles the file while this one reads it
+            path = tmp_path / f"{name}.region"
+            os.rename(path, tmp_path / f"{other}.region")
+            with open(tmp_path / f"{other}.region", "r+b") as f:
+                f.seek(8)
+                f.write(other.encode())
+        return reads[-1]
+
+    assert pool.use(name, shape, np.float32, build, read) == 2.0 * 512
+    assert len(reads) == 2 and len(builds) == 2  # the first read was thrown away; the region rebuilt
+
+
+def _build_and_hang(pool_dir: str, name: str, shape, started) -> None:
+    def build(array):
+        array.fill(9.0)  # half a region's worth of wrong values, then killed
+        started.set()
+        time.sleep(120)
+
+    RegionPool(pool_dir, 1 << 30).use(name, shape, np.float32, build, total)
+
+
+def test_a_worker_killed_while_building_a_region_loses_and_repeats_nothing(surveys, tmp_path):
+    settings = RegionSettings(crops_per_region=4, pool_dir=str(tmp_path / "pool"))
+    reference = stream(surveys.urls, batch=3, regions=RegionSettings(crops_per_region=4,
+                                                                    pool_dir=str(tmp_path / "reference")))
+    try:
+        want = [next(reference) for _ in range(6)]
+    finally:
+        reference.close()
+    s = stream(surveys.urls, batch=3, regions=settings)
+    sampler = s.sampler
+    region = sampler.locate(0).region
+    name = RegionPool.name(sampler.surveys[region.survey].identity, region, sampler.dtype)
+    ctx = multiprocessing.get_context("spawn")
+    started = ctx.Event()
+    worker = ctx.Process(target=_build_and_hang, args=(settings.pool_dir, name, region.extent, started))
+    worker.start()
+    assert started.wait(60)
+    os.kill(worker.pid, 9)  # SIGKILL mid-build: its lock and half-written file stay behind
+    worker.join()
+    assert (tmp_path / "pool" / f"{name}.lock").exists()
+    try:
+        got = [next(s) for _ in range(6)]
+    finally:
+        s.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
 
 
 def test_resume_with_the_pool_gives_the_batches_of_an_uninterrupted_run(surveys, tmp_path):
