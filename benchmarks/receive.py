@@ -210,6 +210,20 @@ def receive_cost(endpoint_url: str, store_url: str, connections: int = 8, min_by
     return result
 
 
+def rclone_with_survey(workdir: Path, shape) -> tuple:
+    """A synthetic survey of ``shape`` written as SEG-Y in ``workdir``, and ``rclone serve s3`` started
+    there on loopback with a bucket "bench", this process pointed at it: (server, SEG-Y path)."""
+    from sfm.ingest.synth import synth_survey
+    from sfm.storage.clients import boto_client
+
+    segy = str(workdir / "bench.sgy")
+    synth_survey(segy, shape=tuple(shape), seed=0)
+    server = Server("rclone", workdir)
+    server.use()
+    boto_client().create_bucket(Bucket="bench")
+    return server, segy
+
+
 def main() -> int:
     from sfm.config import IngestConfig
 
@@ -222,17 +236,11 @@ def main() -> int:
     args = parser.parse_args()
 
     from sfm.ingest import survey as ingest
-    from sfm.ingest.synth import synth_survey
-    from sfm.storage.clients import boto_client
 
     workdir = Path(tempfile.mkdtemp(prefix="sfm-bench-receive-"))
     server = None
     try:
-        segy = str(workdir / "bench.sgy")
-        synth_survey(segy, shape=tuple(args.shape), seed=0)
-        server = Server("rclone", workdir)
-        server.use()
-        boto_client().create_bucket(Bucket="bench")
+        server, segy = rclone_with_survey(workdir, args.shape)
         store_url = ingest.ingest_survey(segy, "s3://bench", codec=args.codec)["store_url"]
         print(f"[rclone] {store_url}: measuring ...", file=sys.stderr, flush=True)
         load = os.getloadavg()[0]
