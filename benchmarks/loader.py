@@ -70,13 +70,15 @@ def distinct_fraction(sampler, batches: range, batch: int) -> float:
 def measure(label: str, url: str, *, batch: int, align: str = "voxel", k: int = 1, store: str = "float32",
             dtype: str = "float32", lanes: int = 0) -> dict:
     """One row: steady-state figures per sample of one loader configuration."""
+    from sfm.data.region_pool import region_bytes
+
     pool_dir = tempfile.mkdtemp(prefix="sfm-bench-pool-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     stream = stream_for(url, batch=batch, align=align, k=k, dtype=dtype, pool_dir=pool_dir, lanes=lanes)
     sampler = stream.sampler
     lanes = sampler.plan.lanes if sampler.plan else batch
     # steady state: the warm-up fills the pool (its default budget), so its files are being recycled
     slots = sampler.pool_of_regions.budget_bytes // max(
-        g.extent[0] * g.extent[1] * g.extent[2] * sampler.dtype.itemsize for g in sampler.plan.grids) if k > 1 else 0
+        region_bytes(g.extent, sampler.dtype) for g in sampler.plan.grids) if k > 1 else 0
     warm = max(1, (slots + lanes) * k // batch)
     count = max(4, k * lanes // batch)  # one lane cycle: every lane starts about one region
     try:

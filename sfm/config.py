@@ -276,11 +276,9 @@ class JobConfig:
                            "model.mask_ratio in (0, 1)")
         if any(not 0 < f < 1 for f in t.snapshots):
             raise SFMError(f"train.snapshots = {list(t.snapshots)}: each must be a fraction of the steps in (0, 1)")
-        if d.crops_per_region < 1 or d.regions_in_flight < 0 or d.pool_mb < 0 or len(d.region_bricks) != 3 \
-                or min(d.region_bricks) < 1:
-            raise SFMError(f"data.crops_per_region = {d.crops_per_region} must be >= 1, data.region_bricks = "
-                           f"{list(d.region_bricks)} 3 positive brick counts, data.regions_in_flight and data.pool_mb "
-                           ">= 0 (0: automatic)")
+        from sfm.data.regions import RegionSettings  # the loader's own check of its region settings
+
+        RegionSettings.from_data(d).check()
         for key, value, valid in (("data.align", d.align, ALIGNMENTS), ("data.client", d.client, CLIENTS),
                                   ("data.batch_dtype", d.batch_dtype, BATCH_DTYPES),
                                   ("dist.strategy", self.dist.strategy, STRATEGIES)):

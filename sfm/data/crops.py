@@ -267,7 +267,7 @@ class CropSampler:
         r = self.regions
         if int(r.crops_per_region) <= 1:
             return
-        steps = [(*self._step(s)[:2], self._step(s)[2]) for s in self.surveys]
+        steps = [self._step(s) for s in self.surveys]
         self.plan = RegionPlan(self.surveys, self.origins, self.weights, self.crop, steps, r.crops_per_region,
                                tuple(r.region_bricks), r.regions_in_flight, batch_size, world_size)
         largest = max(region_bytes(g.extent, self.dtype) for g in self.plan.grids)

@@ -262,8 +262,7 @@ def training_stream(store_urls: list[str], data_cfg, rank: int = 0, world_size: 
         read_threads=data_cfg.read_threads, align=data_cfg.align,
         augment=[a.strip() for a in data_cfg.augment.split(",")], client=data_cfg.client,
         retry_seconds=data_cfg.retry_seconds, slab=slab, dtype=data_cfg.batch_dtype,
-        regions=RegionSettings(data_cfg.crops_per_region, tuple(data_cfg.region_bricks), data_cfg.regions_in_flight,
-                               data_cfg.pool_dir, data_cfg.pool_mb),
+        regions=RegionSettings.from_data(data_cfg),
     )
     dataset = CropDataset(sampler, data_cfg.batch_size, rank, world_size, start_batch=start_batch,
                           prefetch=data_cfg.prefetch)

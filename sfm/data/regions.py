@@ -159,6 +159,12 @@ class RegionSettings:
     pool_dir: str = ""
     pool_mb: int = 0
 
+    @classmethod
+    def from_data(cls, data_cfg) -> "RegionSettings":
+        """The settings in ``JobConfig.data``."""
+        return cls(data_cfg.crops_per_region, tuple(data_cfg.region_bricks), data_cfg.regions_in_flight,
+                   data_cfg.pool_dir, data_cfg.pool_mb)
+
     def check(self) -> None:
         if int(self.crops_per_region) < 1:
             raise SFMError(f"data.crops_per_region = {self.crops_per_region} must be at least 1 (1: a fetch per crop)")

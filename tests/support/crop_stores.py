@@ -88,6 +88,11 @@ def expected_crop(surveys, sampler: data.CropSampler, index: int) -> np.ndarray:
     region = tuple(slice(o, o + e) for o, e in zip(c.origin, c.extent))
     x = (np.clip(surveys.amp[k][region].astype(np.float64), lo, hi) - stats["mean"]) / stats["std"]
     x *= surveys.live[k][region[:2]][:, :, None]
+    return as_delivered(x, c)
+
+
+def as_delivered(x: np.ndarray, c) -> np.ndarray:
+    """The source box ``x`` [D, H, W] of crop ``c`` flipped and swapped as the loader delivers it."""
     if c.flip_inline:
         x = x[::-1]
     if c.flip_crossline:
