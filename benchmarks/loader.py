@@ -10,14 +10,16 @@ steady-state window after a warm-up of one whole lane cycle, and reports per sam
 process and is excluded), split into receive / decode / normalise / copy (thread CPU time measured
 inside the reader), and the fraction of distinct regions per batch. Rows: brick-aligned and
 voxel-aligned crops with a fetch per crop; the region pool with k = 4, 8, 16, 32 crops per region on
-float16 and int8 stores; and k = 32 on the float32 store.
+float16 and int8 stores (float16 batches); k = 32 on the float32 store; and k = 32 on the int8 store
+with int8 batches (normalised on the device, ``sfm.data.int8_batch``).
 
 Then, on the same brick ranges, the receive cost per GB of sfm's transport, obstore and AWS's CRT
 (``benchmarks/receive.py``); and the statistical check: the tiny preset trained ``--train-steps``
 steps on 32^3 crops of 32^3-brick stores (the region : crop ratio of 128^3 crops in 256^3 regions)
-with k = 1, 8, 32 and 32 with four times the lanes on the same seeds, and validation loss (fixed
-held-out crops and masks) at equal steps; also k = 1 on the int8 store against the float32 store.
-Rows also for k = 32 with four times the lanes (regions in flight).
+with k = 1, 8, 32 and 32 with four times the lanes on the same seeds (int8 store, int8 batches), and
+validation loss (fixed held-out crops and masks) at equal steps; also k = 1 on the int8 store against
+the float32 store (float16 batches). Rows also for k = 32 with four times the lanes (regions in
+flight), with float16 and with int8 batches.
 
 The last line is one JSON object; at its top level the figures of the configuration that
 ``configs/hyperpod_p5en.toml`` ships: cpu_ms_per_sample, s3_mb_per_sample, gets_per_sample,
@@ -118,8 +120,11 @@ def loader_rows(stores: dict[str, str], batch: int) -> list[dict]:
             rows.append(measure(f"pool k={k}, {store} store", stores[store], batch=batch, k=k, store=store,
                                 dtype="float16"))
     rows.append(measure("pool k=32, float32 store", stores["float32"], batch=batch, k=32))
-    rows.append(measure(f"pool k=32, int8 store, {4 * batch} lanes", stores["int8"], batch=batch, k=32, store="int8",
-                        dtype="float16", lanes=4 * batch))
+    rows.append(measure("pool k=32, int8 store, int8 batch", stores["int8"], batch=batch, k=32, store="int8",
+                        dtype="int8"))
+    for dtype in ("float16", "int8"):
+        rows.append(measure(f"pool k=32, int8 store, {dtype} batch, {4 * batch} lanes", stores["int8"], batch=batch,
+                            k=32, store="int8", dtype=dtype, lanes=4 * batch))
     return rows
 
 
@@ -193,13 +198,14 @@ def statistical_check(workdir: Path, args) -> dict:
     b = args.train_batch
     cases = {"float32_k1": ("float32", 1, 0), "int8_k1": ("int8", 1, 0), "int8_k8": ("int8", 8, 0),
              "int8_k32": ("int8", 32, 0), f"int8_k32_lanes{4 * b}": ("int8", 32, 4 * b)}
+    batch_dtype = {"float32": "float16", "int8": "int8"}  # int8 stores: int8 batches, as the cluster config ships
     runs: dict[str, list[float]] = {}
     for key, (store, k, lanes) in cases.items():
         runs[key] = []
         for seed in range(args.seeds):
             t0 = time.perf_counter()
             runs[key].append(train_tiny(stores[store], val, k=k, seed=seed, steps=args.train_steps, batch=b,
-                                        dtype="float16", crop=crop, lr=args.train_lr, lanes=lanes))
+                                        dtype=batch_dtype[store], crop=crop, lr=args.train_lr, lanes=lanes))
             print(f"  tiny {key} seed {seed}: val loss {runs[key][-1]:.4f} ({time.perf_counter() - t0:.0f} s)",
                   file=sys.stderr, flush=True)
     mean = {key: statistics.mean(v) for key, v in runs.items()}

@@ -19,7 +19,7 @@ DEFAULT_TOML = Path(__file__).with_name("default.toml")
 AUGMENTATIONS = ("flip_inline", "flip_crossline", "swap")  # data.augment: what sfm.data.crops may apply per crop
 ALIGNMENTS = ("voxel", "brick")  # data.align: crop origins anywhere, or on the store's brick grid
 CLIENTS = ("auto", "http", "obstore", "fsspec")  # data.client: how the loader reads S3
-BATCH_DTYPES = ("float32", "float16")  # data.batch_dtype: the crops' value type
+BATCH_DTYPES = ("float32", "float16", "int8")  # data.batch_dtype: the crops' value type (int8: stored values)
 STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")
 # keys earlier releases wrote into the configs they saved (checkpoints, registry versions), now without effect
 RETIRED_KEYS = {"eval.probe_train_volumes": "eval.downstream", "eval.probe_test_volumes": "eval.test_volumes"}  # dist.strategy: what sfm.distributed.strategies applies
@@ -92,7 +92,7 @@ class DataConfig:
     crops_per_region: int = 1  # k crops cut from each fetched, decoded region (sfm.data.regions); 1: a fetch per crop
     region_bricks: tuple[int, int, int] = (2, 2, 2)  # a region's size in stored bricks (inline, crossline, sample)
     regions_in_flight: int = 0  # regions a rank cuts from at once; 0: the batch size (each batch: distinct regions)
-    batch_dtype: str = "float32"  # float32 | float16 (GPUs train in bf16: half the bytes of every copy)
+    batch_dtype: str = "float32"  # float32 | float16 | int8 (int8 stores only: normalised on the device)
     pool_dir: str = ""  # decoded regions shared by a node's processes; "": /dev/shm, else the temp dir
     pool_mb: int = 0  # bound on the node pool's size; 0: two regions per lane for each of the node's ranks
 

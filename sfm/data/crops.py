@@ -25,6 +25,7 @@ from typing import Any, Iterable, NamedTuple
 import numpy as np
 
 from sfm.data.bricks import BrickReader
+from sfm.data.int8_batch import DEAD
 from sfm.config import ALIGNMENTS, AUGMENTATIONS, BATCH_DTYPES
 from sfm.errors import SFMError
 
@@ -121,7 +122,9 @@ class CropSampler:
             than zarr's read path); False: always through zarr.
         regions: many crops per fetched region (:mod:`sfm.data.regions`); None or k = 1: each crop
             fetches its own bricks. Needs :meth:`plan_batches` (the dataset calls it).
-        dtype: "float32" or "float16": the crops' value type.
+        dtype: "float32" or "float16": the crops' value type, normalised; "int8" (int8 stores only):
+            the stored values, dead traces :data:`sfm.data.int8_batch.DEAD`, normalised on the device
+            from :meth:`affine` (:class:`sfm.data.int8_batch.Int8Batch`).
         slab: ``(start, stop)``: read and return only rows ``[start, stop)`` of axis 0 of each crop
             as delivered (after flips and swap), [1, stop - start, H, W], fetching only the bricks
             those rows need. The crops themselves (``locate``) do not change, so the context-parallel
@@ -185,6 +188,12 @@ class CropSampler:
             shapes = ", ".join(f"{s.store_url}: {s.shape}" for s in infos)
             raise SFMError(f"every survey is smaller than the crop {self.crop} ({shapes}); set data.crop smaller")
         self.surveys = [s for s, ok in zip(infos, fits) if ok]
+        if self.dtype == np.int8:
+            other = [s for s in self.surveys if s.stored_dtype != "int8"]
+            if other:
+                raise SFMError(f"data.batch_dtype = \"int8\" delivers stored int8 values, but survey store "
+                               f"{other[0].store_url} holds {other[0].stored_dtype}; ingest with --dtype int8 or "
+                               "set data.batch_dtype to float16")
         self._stores = [s for s, ok in zip(self._stores, fits) if ok]
         self._arrays = [a for a, ok in zip(self._arrays, fits) if ok]
         self._readers = self._brick_readers()
@@ -353,16 +362,17 @@ class CropSampler:
         (i0, j0, k0), (d, h, w) = r.origin, r.extent
         self._read_box(r.survey, (slice(i0, i0 + d), slice(j0, j0 + h), slice(k0, k0 + w)), dst)
         if s.live_traces(i0, j0, d, h) < d * h:
-            dst[~s.trace_mask[i0:i0 + d, j0:j0 + h]] = 0
+            dst[~s.trace_mask[i0:i0 + d, j0:j0 + h]] = DEAD if self.dtype == np.int8 else 0
 
     def _read_box(self, survey: int, region: tuple[slice, slice, slice], dst: np.ndarray) -> None:
         s = self.surveys[survey]
         reader = self._readers[survey]
         try:
+            fill = s.copy_stored_into if self.dtype == np.int8 else s.normalise_into
             if reader is not None:
-                reader.read_into(region, dst, s.normalise_into)
+                reader.read_into(region, dst, fill)
             else:
-                s.normalise_into(self._arrays[survey][region], dst)
+                fill(self._arrays[survey][region], dst)
         except Exception as err:
             axes = ("inline", "crossline", "sample")
             where = ", ".join(f"{name} {r.start}:{r.stop}" for name, r in zip(axes, region))
@@ -377,8 +387,14 @@ class CropSampler:
         region = (slice(i0 + a0, i0 + a1), slice(j0 + b0, j0 + b1), slice(k0 + t0, k0 + t1))
         dst = view[a0:a1, b0:b1, t0:t1]
         self._read_box(c.survey, region, dst)
-        if not full:
+        if not full and self.dtype == np.int8:
+            np.copyto(dst, DEAD, where=~s.trace_mask[i0 + a0 : i0 + a1, j0 + b0 : j0 + b1, None])
+        elif not full:
             dst *= s.trace_mask[i0 + a0 : i0 + a1, j0 + b0 : j0 + b1, None]
+
+    def affine(self, index: int) -> tuple[float, float, float, float]:
+        """How sample ``index``'s int8 values normalise (:meth:`sfm.data.survey.SurveyInfo.affine`)."""
+        return self.surveys[self.locate(index).survey].affine()
 
     def read(self, index: int, out: np.ndarray | None = None) -> np.ndarray:
         """Sample ``index`` as [1, *shape] ([1, D, H, W] without a slab) of ``dtype``, normalised."""

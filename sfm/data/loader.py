@@ -28,6 +28,7 @@ from torch.utils.data import IterableDataset
 from sfm.errors import SFMError
 
 from sfm.data.crops import CropSampler, wait_all
+from sfm.data.int8_batch import Int8Batch
 from sfm.data.regions import RegionSettings
 
 log = logging.getLogger(__name__)
@@ -90,14 +91,17 @@ class CropDataset(IterableDataset):
             return itertools.count(first, workers)
         return range(first, self.num_batches, workers)
 
-    def _start(self, batch: int, buffers: "_BatchBuffers | None") -> tuple[torch.Tensor, list[Future]]:
+    def _start(self, batch: int, buffers: "_BatchBuffers | None") -> tuple[torch.Tensor | Int8Batch, list[Future]]:
         shape = (self.batch_size, 1, *self.sampler.shape)
         if buffers is None:  # a worker's batch goes to the main process by handle, not by copy
             out = _shared_empty(shape, self.sampler.dtype)
         else:
             out = torch.from_numpy(buffers.take())
         arr = out.numpy()
-        futures = [f for n, i in enumerate(self.sample_indices(batch)) for f in self.sampler.submit(i, arr[n])]
+        indices = self.sample_indices(batch)
+        futures = [f for n, i in enumerate(indices) for f in self.sampler.submit(i, arr[n])]
+        if self.sampler.dtype == np.int8:
+            out = Int8Batch(out, torch.tensor([self.sampler.affine(i) for i in indices], dtype=torch.float32))
         return out, futures
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -124,10 +128,10 @@ class CropDataset(IterableDataset):
 
 
 def _shared_empty(shape: tuple[int, ...], dtype=np.float32) -> torch.Tensor:
-    """An uninitialised tensor (``dtype``: float32 or float16) in shared memory. ``torch.empty().share_memory_()``
+    """An uninitialised tensor (``dtype``: float32, float16 or int8) in shared memory. ``torch.empty().share_memory_()``
     would allocate private memory and copy it over: 2.3 against 1.5 s of CPU per GB in page faults."""
     dtype = np.dtype(dtype)
-    torch_dtype = torch.float16 if dtype == np.float16 else torch.float32
+    torch_dtype = {np.dtype(np.float16): torch.float16, np.dtype(np.int8): torch.int8}.get(dtype, torch.float32)
     new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
     if new_shared is None:
         return torch.empty(shape, dtype=torch_dtype).share_memory_()
@@ -165,7 +169,8 @@ class _BatchBuffers:
 
 class BatchStream:
     """``next(stream)`` -> tensor [B, 1, D, H, W] ([B, 1, stop - start, H, W] for a slab) of
-    ``data.batch_dtype``, pinned when CUDA is present.
+    ``data.batch_dtype``, pinned when CUDA is present; for int8 an :class:`sfm.data.int8_batch.Int8Batch`,
+    whose ``.to(device).float()`` is the normalised float32 tensor.
 
     A DataLoader over a :class:`CropDataset` with ``workers`` processes (0: read in this process on
     the sampler's threads). Workers are started with ``forkserver``: S3 clients (obstore's runtime,
@@ -203,7 +208,7 @@ class BatchStream:
     def __iter__(self) -> "BatchStream":
         return self
 
-    def __next__(self) -> torch.Tensor:
+    def __next__(self) -> torch.Tensor | Int8Batch:
         if self._iter is None:
             self.dataset.start_batch = self.batch
             self._iter = iter(self._loader())

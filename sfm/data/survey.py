@@ -45,6 +45,7 @@ class SurveyInfo:
     offset: float = 0.0
 
     version: str = ""  # what tells two ingests at one URL apart (source digest and store layout)
+    stored_dtype: str = "float32"  # the store's value type (float32, float16 or int8)
 
     @property
     def identity(self) -> str:
@@ -77,6 +78,18 @@ class SurveyInfo:
         np.clip(stored, lo, hi, out=dst, casting="unsafe")
         dst *= np.float32(self.scale / self.std)
         dst += np.float32((self.offset - self.mean) / self.std)
+
+    @staticmethod
+    def copy_stored_into(stored: np.ndarray, dst: np.ndarray) -> None:
+        """``dst = stored``, unnormalised (int8 batches: the device normalises)."""
+        np.copyto(dst, stored)
+
+    def affine(self) -> tuple[float, float, float, float]:
+        """``(lo, hi, a, b)``: :meth:`normalise_into` as ``clamp(stored, lo, hi) * a + b``, in float32
+        (what an :class:`sfm.data.int8_batch.Int8Batch` carries per sample)."""
+        lo, hi = ((c - self.offset) / self.scale for c in self.clip)
+        return (float(np.float32(lo)), float(np.float32(hi)), float(np.float32(self.scale / self.std)),
+                float(np.float32((self.offset - self.mean) / self.std)))
 
     def live_traces(self, i0: int, j0: int, d: int, h: int) -> int:
         t = self.live_cells
@@ -143,6 +156,6 @@ def read_survey_info(store_url: str, store=None) -> tuple[SurveyInfo, Any]:
         shape=tuple(int(n) for n in amp.shape), bricks=tuple(int(n) for n in amp.chunks), trace_mask=mask,
         live_cells=table, clip=(float(pct["0.1"]), float(pct["99.9"])), mean=float(stats["mean"]),
         std=float(stats["std"]) or 1.0, scale=scale, offset=offset,
-        version=f"{attrs.get('checksum', '')}|{attrs.get('store', {})}",
+        version=f"{attrs.get('checksum', '')}|{attrs.get('store', {})}", stored_dtype=str(np.dtype(amp.dtype)),
     )
     return info, amp

@@ -50,5 +50,5 @@ class Faults:
             threading.Event().wait()  # forever: the watchdog ends the process
         if self._take("nan", step):
             log.warning("injected fault: NaN batch at step %d", step)
-            return torch.full_like(batch, float("nan"))
+            return torch.full(tuple(batch.shape), float("nan"))  # float32 whatever the batch's type
         return batch

@@ -242,7 +242,8 @@ class Trainer:
     def _feed(self):
         for batch in self.stream:
             self.batch = self.stream.batch - 1
-            # float16 batches cross to the device at half the bytes and become float32 there
+            # float16 and int8 batches cross to the device at a half or a quarter of the bytes and become
+            # float32 there (int8: normalised there, sfm.data.int8_batch)
             yield self.faults.apply(self.step + 1, batch).to(self.accelerator.device, non_blocking=True).float()
 
     def mask_noise(self, _micro: int, imgs: torch.Tensor) -> torch.Tensor:

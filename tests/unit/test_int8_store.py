@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 import zarr
 
 from support import ingest_cases as cases
@@ -176,3 +177,59 @@ def test_the_brick_reader_and_the_region_pool_read_int8_stores_as_zarr_does(surv
             np.testing.assert_allclose(pooled.read(i)[0], as_delivered(expected, c), rtol=1e-6, atol=1e-6)
     finally:
         direct.close(), pooled.close()
+
+
+@pytest.fixture(scope="module")
+def two_int8_surveys(tmp_path_factory):
+    """Two int8 stores with holes and different statistics, and float32 stores of the same files."""
+    tmp = tmp_path_factory.mktemp("int8-batches")
+    urls = {"int8": [], "float32": []}
+    for seed, shape in ((0, (32, 30, 48)), (1, (30, 32, 40))):
+        sgy = tmp / f"holes-{seed}.sgy"
+        segy_with_holes(sgy, shape, seed=seed)
+        for dtype in urls:
+            urls[dtype].append(ingest_survey(str(sgy), str(tmp / dtype), chunk=16, dtype=dtype)["store_url"])
+    return SimpleNamespace(tmp=tmp, urls=urls)
+
+
+@pytest.mark.parametrize("k, workers", [(1, 0), (4, 0), (4, 1)])
+def test_int8_batches_normalise_on_the_device_to_the_float32_batches_of_the_same_store(two_int8_surveys, k, workers):
+    """``batch_dtype = "int8"``: the stored values and each sample's clip and multiply-add travel; ``.float()``
+    gives what the float32 batch of the same int8 stores holds (the same float32 operations), dead traces 0."""
+    from sfm.data.int8_batch import DEAD, Int8Batch
+    from sfm.data.regions import RegionSettings
+
+    s = two_int8_surveys
+    streams = {}
+    for dtype in ("int8", "float32"):
+        sampler = data.CropSampler(s.urls["int8"], CROP, seed=7, augment=data.AUGMENTATIONS, dtype=dtype,
+                                   regions=RegionSettings(crops_per_region=k, pool_dir=str(s.tmp / f"pool-{dtype}")))
+        streams[dtype] = data.BatchStream(data.CropDataset(sampler, 4, num_batches=6), workers=workers)
+    try:
+        seen_dead = 0
+        for got, want in zip(streams["int8"], streams["float32"], strict=True):
+            assert isinstance(got, Int8Batch) and got.values.dtype == torch.int8 and got.affine.shape == (4, 4)
+            x = got.to("cpu").float()
+            assert x.dtype == torch.float32 and x.shape == want.shape
+            torch.testing.assert_close(x, want, rtol=0, atol=2 * F32_EPS * float(want.abs().max()))
+            dead = got.values == DEAD
+            seen_dead += int(dead.sum())
+            assert (x[dead] == 0).all()
+        assert seen_dead > 0  # the surveys' holes came through as the dead marker
+    finally:
+        for st in streams.values():
+            st.close()
+
+
+def test_int8_batches_need_int8_stores(two_int8_surveys):
+    with pytest.raises(SFMError, match="holds float32; ingest with --dtype int8"):
+        data.CropSampler(two_int8_surveys.urls["float32"][:1], CROP, dtype="int8")
+
+
+def test_an_int8_batch_pins_and_moves_as_one(two_int8_surveys):
+    from sfm.data.int8_batch import Int8Batch
+
+    values = torch.tensor([[-128, -127, 0, 5, 127]], dtype=torch.int8).view(1, 1, 1, 1, 5)
+    batch = Int8Batch(values, torch.tensor([[-100.0, 100.0, 0.5, 1.0]]))
+    assert batch.shape == values.shape
+    assert batch.to("cpu").float().flatten().tolist() == [0.0, -49.0, 1.0, 3.5, 51.0]  # clipped to +-100 first

@@ -1,0 +1,38 @@
+"""Training on int8 batches (``data.batch_dtype = "int8"``, what the cluster config ships): the trainer
+normalises each batch on its device and trains exactly as on float32 batches of the same int8 store,
+with the region pool and a DataLoader worker."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from support.training import make_job
+
+
+@pytest.fixture(scope="module")
+def int8_store(tmp_path_factory) -> str:
+    from sfm.ingest.survey import ingest_survey
+    from sfm.ingest.synth import synth_survey
+
+    tmp = tmp_path_factory.mktemp("int8-train")
+    synth_survey(str(tmp / "s.sgy"), shape=(48, 48, 64), seed=4)
+    return ingest_survey(str(tmp / "s.sgy"), str(tmp / "root"), chunk=16, dtype="int8")["store_url"]
+
+
+@pytest.mark.timeout(600)
+def test_int8_batches_train_as_float32_batches_of_the_same_store(int8_store, tmp_path):
+    from sfm.distributed.launch import free_port, launch_node
+
+    histories = {}
+    for dtype in ("float32", "int8"):
+        run_root = tmp_path / dtype
+        job = make_job(int8_store, str(run_root), max_steps=8, every=8)
+        job["config"]["data"].update(batch_dtype=dtype, crops_per_region=4, workers=1,
+                                     pool_dir=str(tmp_path / f"pool-{dtype}"))
+        job["config"]["train"]["log_every"] = 1
+        launch_node(job, nodes=1, procs_per_node=1, node_rank=0, main_addr="127.0.0.1", main_port=free_port())
+        histories[dtype] = [h["loss"] for h in json.loads((run_root / "summary.json").read_text())["history"]]
+    assert len(histories["int8"]) == 8
+    assert histories["int8"] == pytest.approx(histories["float32"], rel=1e-4)
