@@ -198,7 +198,7 @@ def _create_arrays(group: GroupWriter, plan: _Plan, geometry: SurveyGeometry, la
         ("inline", geometry.inlines, ["inline"], {}),
         ("crossline", geometry.crosslines, ["crossline"], {}),
         ("sample", geometry.extra.get("sample_start_ms", 0) + np.arange(ns) * layout.sample_interval_us / 1000.0,
-         ["sample"], {"units": "ms", "long_name": "time of the sample: delay (trace bytes 109-110) + index * interval"}),
+         ["sample"], {"units": "ms", "long_name": "time: delay (trace bytes 109-110) + index * interval"}),
     )
     for name, values, dims, attributes in small:
         group.create_array(name, values, shape=values.shape, chunks=values.shape, dtype=values.dtype, fill_value=0,

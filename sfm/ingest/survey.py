@@ -107,7 +107,8 @@ def ingest_survey(src_url: str, data_root: str, config: IngestConfig | None = No
         "survey_id": survey_id, "name": name, "source_url": src_url, "store_url": store_url,
         "shape": attrs["shape"], "live_traces": int(layout.n_traces), "checksum": attrs["checksum"],
         "sample_format": layout.sample_format, "sample_interval_us": layout.sample_interval_us,
-        "sample_start_ms": attrs["sample_start_ms"], "dtype": opts.dtype, "ingested_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "sample_start_ms": attrs["sample_start_ms"],
+        "dtype": opts.dtype, "ingested_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "stats_json": json.dumps(stats, sort_keys=True),
     }
     if not manifest.publish(data_root, row):  # last: the survey becomes visible only now

@@ -108,7 +108,8 @@ def test_line_numbers_at_221_win_over_regular_cdp_coordinates(tmp_path):
     attrs = read_store_attrs(row["store_url"])
     assert (attrs["iline_byte"], attrs["xline_byte"], attrs["byte_locations"]) == (221, 225, "detected")
     group = zarr.open_group(row["store_url"], mode="r")
-    assert list(group["inline"][...]) == list(range(100, 106)) and list(group["crossline"][...]) == list(range(300, 305))
+    assert list(group["inline"][...]) == list(range(100, 106))
+    assert list(group["crossline"][...]) == list(range(300, 305))
     assert np.array_equal(group["amplitude"][...], amplitude)
 
 

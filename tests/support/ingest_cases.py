@@ -66,7 +66,8 @@ def set_fields(records: np.ndarray, byte: int, values, width: int = 4, endian: s
 
 def set_ibm_words(records: np.ndarray, words: np.ndarray, endian: str = "big") -> None:
     """Overwrite the samples of a format-1 file with raw IBM words [T, NS] uint32, in the file's byte order."""
-    records[:, TRACE_HEADER:] = words.astype(">u4" if endian == "big" else "<u4").view(np.uint8).reshape(len(records), -1)
+    raw = words.astype(">u4" if endian == "big" else "<u4").view(np.uint8)
+    records[:, TRACE_HEADER:] = raw.reshape(len(records), -1)
 
 
 def set_samples(records: np.ndarray, trace: int, index: np.ndarray, values, endian: str = "big") -> None:
