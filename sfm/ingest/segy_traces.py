@@ -105,20 +105,52 @@ def _ibm_scale_tables() -> tuple[np.ndarray, np.ndarray]:
 _IBM_FIRST, _IBM_SECOND = _ibm_scale_tables()
 
 
+# IBM exponents (bits 24-30, bias 64) whose every value is a normal float32: 16^(e - 64) * F * 2^-24 with
+# 1 <= F < 2^24 stays within [2^-126, 2^128). Files whose samples all have them take the fast path.
+_IBM_MODERATE = (39, 96)
+_IEEE_EXPONENT_SHIFT = np.uint32((-153 << 23) & 0xFFFFFFFF)  # e << 25 plus this: the bits of 2^(4e - 280)
+
+
 def _ibm_to_float32(ibm: np.ndarray) -> np.ndarray:
     """IBM floats (big-endian bytes viewed as float32, any shape, contiguous) -> IEEE float32, in place.
 
     Exact for every IBM word, equal bit for bit to ``ibm2ieee.ibm2float32``: unnormalised fractions,
     zero with any exponent (signed), values in the IEEE denormal range (rounded half to even), and
-    exponents beyond float32's range (+-inf).
+    exponents beyond float32's range (+-inf). The value is the 24-bit fraction (exact in float32) times
+    a power of two, ``±2^(4 * (e - 64) - 24)``: built from the exponent bits when every exponent is
+    moderate (one exact product), else looked up in two steps (:func:`_ibm_scale_tables`).
     """
+    exponent = np.bitwise_and(ibm.view(np.uint8)[..., ::4], 0x7F)  # the first byte of each big-endian word
+    low, high = int(exponent.min()), int(exponent.max())
     words = ibm.view(np.uint32)
     if sys.byteorder == "little":
         words.byteswap(inplace=True)
+    if high > _IBM_MODERATE[1]:
+        return _ibm_extreme_to_float32(words, ibm)
+    if low >= _IBM_MODERATE[0]:
+        scale = np.bitwise_and(words, 0x7F000000)  # e << 24
+    else:  # a small exponent: fine only on a zero word (muted or padded samples), whose exponent does not matter
+        scale = np.bitwise_and(words, 0x7FFFFFFF)
+        scale -= 1  # a zero word wraps to the top
+        if scale.min() < (_IBM_MODERATE[0] << 24) - 1:
+            return _ibm_extreme_to_float32(words, ibm)
+        scale += 1
+        scale &= 0x7F000000
+        np.maximum(scale, _IBM_MODERATE[0] << 24, out=scale)  # zero words: a moderate exponent gives their ±0
+    scale <<= 1
+    scale += _IEEE_EXPONENT_SHIFT
+    scale |= np.bitwise_and(words, 0x80000000)  # the float32 bits of ±2^(4e - 280)
+    np.bitwise_and(words, 0xFFFFFF, out=words)  # the fraction, < 2^24
+    np.multiply(words.view(np.int32), scale.view(np.float32), out=ibm, dtype=np.float32)
+    return ibm
+
+
+def _ibm_extreme_to_float32(words: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """:func:`_ibm_to_float32` for words [native uint32] with any exponent, into ``out`` (their float32 view)."""
     top = np.right_shift(words, 24)  # sign and exponent
     scale = _IBM_FIRST.take(top, mode="clip")
-    np.bitwise_and(words, 0xFFFFFF, out=words)  # the fraction, < 2^24: exact in float32
-    np.multiply(words.view(np.int32), scale, out=ibm, dtype=np.float32)
+    np.bitwise_and(words, 0xFFFFFF, out=words)
+    np.multiply(words.view(np.int32), scale, out=out, dtype=np.float32)
     with np.errstate(over="ignore"):  # beyond float32's range: inf, which ingest counts as non-finite
-        ibm *= _IBM_SECOND.take(top, mode="clip", out=scale)
-    return ibm
+        out *= _IBM_SECOND.take(top, mode="clip", out=scale)
+    return out

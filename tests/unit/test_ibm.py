@@ -51,6 +51,21 @@ def test_random_words_equal_ibm2ieee_bit_for_bit():
     assert np.array_equal(bits(convert(words)), bits(ibm2ieee.ibm2float32(words)))
 
 
+def test_moderate_exponents_with_any_fraction_equal_ibm2ieee():
+    rng = np.random.default_rng(2)  # exponents 39-96 only: the converter's fast path, zero fractions included
+    n = 1 << 20
+    fraction = rng.integers(0, 1 << 24, n, dtype=np.uint32) >> rng.integers(0, 24, n, dtype=np.uint32)
+    words = rng.integers(0, 2, n, dtype=np.uint32) << 31 | rng.integers(39, 97, n, dtype=np.uint32) << 24 | fraction
+    assert (fraction == 0).any() and (fraction < 1 << 20).mean() > 0.5
+    assert np.array_equal(bits(convert(words)), bits(ibm2ieee.ibm2float32(words)))
+    words[::7] = 0  # and +-0 with exponent 0, as muted samples are written
+    words[::11] = 0x80000000
+    assert np.array_equal(bits(convert(words)), bits(ibm2ieee.ibm2float32(words)))
+    for edge in (38, 97):  # one word just outside the moderate exponents: the other path, still exact
+        words[5] = edge << 24 | 0x123456
+        assert np.array_equal(bits(convert(words)), bits(ibm2ieee.ibm2float32(words)))
+
+
 def test_unnormalised_fractions_decode_to_their_value():
     # 1/16 written four ways: normalised, and with one, two and five leading zero hex digits
     words = [word(0, 64, 0x100000), word(0, 65, 0x010000), word(0, 66, 0x001000), word(1, 69, 0x000001)]
