@@ -9,9 +9,9 @@ The file is read in two passes, both in bounded memory:
    samples to float32, equal to what ``segyio`` reads.
 
 :func:`build_geometry` turns the header fields into a full regular (inline, crossline) grid and
-refuses what ingest cannot store faithfully: pre-stack gathers, duplicate traces, grids far sparser
-than their traces, trace headers that contradict the binary header, traces with different delays. Problems a user can cause raise
-:class:`SFMError` naming the file and the fix.
+refuses what ingest cannot store faithfully: pre-stack gathers (offsets that vary), duplicate traces,
+grids far sparser than their traces, trace headers that contradict the binary header, traces with
+different delays. Problems a user can cause raise :class:`SFMError` naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -436,7 +436,7 @@ def refuse_pre_stack(layout: SegyLayout, headers: dict[tuple[int, int], np.ndarr
         return
     n = layout.n_traces
     il_byte, xl_byte = next((p for p in pairs if len(np.unique(_locations(headers, *p))) > 1), pairs[0])
-    locations, first = np.unique(_locations(headers, il_byte, xl_byte), return_index=True)
+    locations = np.unique(_locations(headers, il_byte, xl_byte))
     if len(locations) == 1:
         where = (f"all {n} traces at one location (bytes {il_byte}/{xl_byte} = {int(headers[(il_byte, 4)][0])}/"
                  f"{int(headers[(xl_byte, 4)][0])}): a single gather")

@@ -120,23 +120,20 @@ def _ibm_to_float32(ibm: np.ndarray) -> np.ndarray:
     a power of two, ``±2^(4 * (e - 64) - 24)``: built from the exponent bits when every exponent is
     moderate (one exact product), else looked up in two steps (:func:`_ibm_scale_tables`).
     """
-    exponent = np.bitwise_and(ibm.view(np.uint8)[..., ::4], 0x7F)  # the first byte of each big-endian word
-    low, high = int(exponent.min()), int(exponent.max())
     words = ibm.view(np.uint32)
     if sys.byteorder == "little":
         words.byteswap(inplace=True)
-    if high > _IBM_MODERATE[1]:
+    scale = np.bitwise_and(words, 0x7F000000)  # e << 24
+    if scale.max() > _IBM_MODERATE[1] << 24:
         return _ibm_extreme_to_float32(words, ibm)
-    if low >= _IBM_MODERATE[0]:
-        scale = np.bitwise_and(words, 0x7F000000)  # e << 24
-    else:  # a small exponent: fine only on a zero word (muted or padded samples), whose exponent does not matter
-        scale = np.bitwise_and(words, 0x7FFFFFFF)
+    if scale.min() < _IBM_MODERATE[0] << 24:  # fine only on zero words (muted or padded samples)
+        np.bitwise_and(words, 0x7FFFFFFF, out=scale)
         scale -= 1  # a zero word wraps to the top
         if scale.min() < (_IBM_MODERATE[0] << 24) - 1:
             return _ibm_extreme_to_float32(words, ibm)
         scale += 1
         scale &= 0x7F000000
-        np.maximum(scale, _IBM_MODERATE[0] << 24, out=scale)  # zero words: a moderate exponent gives their ±0
+        np.maximum(scale, _IBM_MODERATE[0] << 24, out=scale)  # a zero word: any moderate exponent gives its ±0
     scale <<= 1
     scale += _IEEE_EXPONENT_SHIFT
     scale |= np.bitwise_and(words, 0x80000000)  # the float32 bits of ±2^(4e - 280)
