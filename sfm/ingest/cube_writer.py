@@ -197,7 +197,8 @@ def _create_arrays(group: GroupWriter, plan: _Plan, geometry: SurveyGeometry, la
         ("cdp_y", cdp_y, ["inline", "crossline"], {"long_name": "CDP Y (scaled by byte 71)"}),
         ("inline", geometry.inlines, ["inline"], {}),
         ("crossline", geometry.crosslines, ["crossline"], {}),
-        ("sample", np.arange(ns) * layout.sample_interval_us / 1000.0, ["sample"], {"units": "ms"}),
+        ("sample", geometry.extra.get("sample_start_ms", 0) + np.arange(ns) * layout.sample_interval_us / 1000.0,
+         ["sample"], {"units": "ms", "long_name": "time: delay (trace bytes 109-110) + index * interval"}),
     )
     for name, values, dims, attributes in small:
         group.create_array(name, values, shape=values.shape, chunks=values.shape, dtype=values.dtype, fill_value=0,

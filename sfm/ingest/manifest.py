@@ -18,7 +18,7 @@ from sfm import storage
 from sfm.ingest.contracts import validate
 
 COLUMNS = ["survey_id", "name", "source_url", "store_url", "shape", "live_traces", "checksum",
-           "sample_format", "sample_interval_us", "dtype", "ingested_at", "stats_json"]
+           "sample_format", "sample_interval_us", "sample_start_ms", "dtype", "ingested_at", "stats_json"]
 
 
 def rows_url(data_root: str) -> str:

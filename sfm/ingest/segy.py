@@ -9,9 +9,9 @@ The file is read in two passes, both in bounded memory:
    samples to float32, equal to what ``segyio`` reads.
 
 :func:`build_geometry` turns the header fields into a full regular (inline, crossline) grid and
-refuses what ingest cannot store faithfully: pre-stack gathers, duplicate traces, grids far sparser
-than their traces, trace headers that contradict the binary header. Problems a user can cause raise
-:class:`SFMError` naming the file and the fix.
+refuses what ingest cannot store faithfully: pre-stack gathers (offsets that vary), duplicate traces,
+grids far sparser than their traces, trace headers that contradict the binary header, traces with
+different delays. Problems a user can cause raise :class:`SFMError` naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -49,8 +49,14 @@ SAMPLE_BYTES = {code: spec[2] for code, spec in SAMPLE_FORMATS.items()}
 UNSUPPORTED_FORMATS = {4: "4-byte fixed-point with gain", 7: "3-byte signed integer", 15: "3-byte unsigned integer"}
 
 DEFAULT_BYTE_PAIR = (189, 193)
-COMMON_BYTE_PAIRS = [DEFAULT_BYTE_PAIR, (9, 21), (181, 185), (221, 225)]
+CDP_COORDINATE_PAIR = (181, 185)  # CDP X/Y in SEG-Y rev 1: taken as line numbers only when no line-number pair fits
+# Line-number pairs first: rev 1's 189/193, then 9/21 (field record / CDP number, where older processing
+# systems put inline/crossline) and 221/225 (unassigned bytes some writers use). Byte 5 (trace sequence
+# number in the file) is not tried: it is unique per trace, so with 21 it forms a diagonal "grid" on
+# small files.
+COMMON_BYTE_PAIRS = [DEFAULT_BYTE_PAIR, (9, 21), (221, 225), CDP_COORDINATE_PAIR]
 OFFSET_FIELD = (37, 4)
+DELAY_FIELD = (109, 2)  # delay recording time, ms: the time of the first sample
 SCALAR_FIELD = (71, 2)
 SAMPLE_COUNT_FIELD = (115, 2)
 CDP_X_FIELD = (181, 4)
@@ -327,7 +333,7 @@ def checksum_text(digest: str) -> str:
 def header_fields_needed(iline_byte: int | None, xline_byte: int | None) -> list[tuple[int, int]]:
     """Trace-header fields :func:`build_geometry` and :func:`cdp_coordinates` read."""
     pairs = [(iline_byte, xline_byte)] if iline_byte and xline_byte else COMMON_BYTE_PAIRS
-    fields = {OFFSET_FIELD, SCALAR_FIELD, SAMPLE_COUNT_FIELD, CDP_X_FIELD, CDP_Y_FIELD}
+    fields = {OFFSET_FIELD, SCALAR_FIELD, SAMPLE_COUNT_FIELD, CDP_X_FIELD, CDP_Y_FIELD, DELAY_FIELD}
     for il, xl in pairs:
         for byte in (il, xl):
             if not 1 <= byte <= TRACE_HEADER_BYTES - 3:
@@ -371,11 +377,7 @@ def _axis(values: np.ndarray) -> tuple[int, int, int]:
 
 
 class _GridProblem(Exception):
-    """Why one (inline byte, crossline byte) pair gives no valid grid; ``fatal`` problems stop detection."""
-
-    def __init__(self, message: str, fatal: bool = False):
-        super().__init__(message)
-        self.fatal = fatal
+    """Why one (inline byte, crossline byte) pair gives no valid grid."""
 
 
 def _grid(layout: SegyLayout, headers: dict, il_byte: int, xl_byte: int, max_sparsity: float) -> SurveyGeometry:
@@ -403,16 +405,7 @@ def _grid(layout: SegyLayout, headers: dict, il_byte: int, xl_byte: int, max_spa
         k = int(np.argmin(later))
         t2, t1 = int(later[k]), int(order[repeat[k]])
         at = f"inline {int(il[t2])}, crossline {int(xl[t2])}"
-        offsets = headers[OFFSET_FIELD]
         dup_cells = flat[later]
-        dup_offsets = offsets[later] != offsets[order[repeat]]
-        if dup_offsets.any():
-            per_cell = n / max(1, len(np.unique(flat)))
-            n_offsets = len(np.unique(offsets))
-            raise _GridProblem(
-                f"{layout.name} is pre-stack data: {n_offsets} offsets (trace byte 37) and {per_cell:.1f} traces per "
-                f"(inline, crossline) location, e.g. {at} (bytes {il_byte}/{xl_byte}); ingest takes post-stack cubes "
-                "only: stack the gathers or keep one offset first", fatal=True)
         raise _GridProblem(
             f"duplicate traces: {at} appears at trace #{t1 + 1} and #{t2 + 1} "
             f"({len(np.unique(dup_cells))} locations have more than one trace)")
@@ -422,12 +415,71 @@ def _grid(layout: SegyLayout, headers: dict, il_byte: int, xl_byte: int, max_spa
                           {"fill_ratio": n / cells, "inline_step": il_step, "crossline_step": xl_step})
 
 
+def _locations(headers: dict, il_byte: int, xl_byte: int) -> np.ndarray:
+    """One int64 per trace naming its (value at ``il_byte``, value at ``xl_byte``) pair: [T]."""
+    return headers[(il_byte, 4)].astype(np.int64) << 32 | (headers[(xl_byte, 4)].astype(np.int64) & 0xFFFFFFFF)
+
+
+def refuse_pre_stack(layout: SegyLayout, headers: dict[tuple[int, int], np.ndarray],
+                     pairs: list[tuple[int, int]]) -> None:
+    """Raise :class:`SFMError` if the file holds pre-stack traces: the offset (bytes 37-40) is not one value.
+
+    A post-stack cube has one offset (0, absent, or the offset of a common-offset cube). Varying offsets
+    mean gathers: several traces per (inline, crossline) location (CDP gathers, one gather), or one per
+    (shot, channel) "location" of a shot gather whose line-number bytes hold shot and channel numbers.
+    The message names the offsets and the traces per location at the first pair of ``pairs`` whose
+    values are not all the same.
+    """
+    offsets = headers[OFFSET_FIELD]
+    low, high = int(offsets.min()), int(offsets.max())
+    if low == high:
+        return
+    n = layout.n_traces
+    il_byte, xl_byte = next((p for p in pairs if len(np.unique(_locations(headers, *p))) > 1), pairs[0])
+    locations = np.unique(_locations(headers, il_byte, xl_byte))
+    if len(locations) == 1:
+        where = (f"all {n} traces at one location (bytes {il_byte}/{xl_byte} = {int(headers[(il_byte, 4)][0])}/"
+                 f"{int(headers[(xl_byte, 4)][0])}): a single gather")
+    elif len(locations) == n:
+        changes = int(np.count_nonzero(np.diff(offsets)))
+        where = (f"1 trace per location at bytes {il_byte}/{xl_byte} with the offset changing {changes} times from "
+                 "trace to trace: shot/channel numbers of a shot gather, not an inline/crossline grid")
+    else:
+        where = f"{n / len(locations):.1f} traces per (inline, crossline) location at bytes {il_byte}/{xl_byte}"
+    raise SFMError(
+        f"{layout.name} is pre-stack data: {len(np.unique(offsets))} offsets from {low} to {high} (trace bytes 37-40), "
+        f"{where}; ingest takes post-stack cubes only: stack the gathers, or select one offset (a common-offset "
+        "cube) first")
+
+
+def sample_start_ms(layout: SegyLayout, headers: dict[tuple[int, int], np.ndarray]) -> int:
+    """The time of the first sample, ms: the delay recording time (trace bytes 109-110), as segyio reads it.
+
+    A cube has one time axis, so every trace must have the same delay; else :class:`SFMError`.
+    """
+    delays = headers[DELAY_FIELD]
+    values, first, counts = np.unique(delays, return_index=True, return_counts=True)
+    if len(values) == 1:
+        return int(values[0])
+    n, common = layout.n_traces, int(np.argmax(counts))
+    earliest = first.copy()
+    earliest[common] = n
+    other = int(np.argmin(earliest))  # the delay other than the most common one that comes first
+    raise SFMError(
+        f"{layout.name}: the traces start at {len(values)} different times: the delay recording time (trace bytes "
+        f"109-110) is {int(values[common])} ms in {int(counts[common])} of {n} traces but {int(values[other])} ms in "
+        f"trace #{int(first[other]) + 1}; a cube needs one time axis: shift the traces to one delay (e.g. pad or "
+        "crop them to a common start) before ingest")
+
+
 def build_geometry(layout: SegyLayout, headers: dict[tuple[int, int], np.ndarray], iline_byte: int | None = None,
                    xline_byte: int | None = None, max_sparsity: float = 10.0) -> SurveyGeometry:
     """The (inline, crossline) grid from the headers at the given bytes, or found among the common pairs.
 
-    Without given bytes, 189/193 is tried first, then 9/21, 181/185 and 221/225; the pair used is
-    recorded in ``extra["byte_locations"]`` ("given", "default" or "detected").
+    Without given bytes, 189/193 is tried first, then 9/21 and 221/225, and the CDP coordinates 181/185
+    last; the pair used is recorded in ``extra["byte_locations"]`` ("given", "default", "detected", or
+    "detected (CDP coordinates ...)" when only 181/185 formed a grid). Pre-stack files are refused
+    first (:func:`refuse_pre_stack`), whatever the bytes.
     """
     name = layout.name
     if bool(iline_byte) != bool(xline_byte):
@@ -435,13 +487,13 @@ def build_geometry(layout: SegyLayout, headers: dict[tuple[int, int], np.ndarray
     check_trace_headers(layout, headers)
     given = bool(iline_byte and xline_byte)
     pairs = [(iline_byte, xline_byte)] if given else COMMON_BYTE_PAIRS
+    refuse_pre_stack(layout, headers, pairs)
+    start_ms = sample_start_ms(layout, headers)
     problems: list[tuple[tuple[int, int], _GridProblem]] = []
     for il_byte, xl_byte in pairs:
         try:
             geometry = _grid(layout, headers, il_byte, xl_byte, max_sparsity)
         except _GridProblem as problem:
-            if problem.fatal:
-                raise SFMError(str(problem)) from None
             problems.append(((il_byte, xl_byte), problem))
             continue
         if not given and (il_byte, xl_byte) != DEFAULT_BYTE_PAIR and min(geometry.shape) < 2:
@@ -450,8 +502,11 @@ def build_geometry(layout: SegyLayout, headers: dict[tuple[int, int], np.ndarray
                 f"a {geometry.shape[0]} x {geometry.shape[1]} grid, not a 3D survey")))
             continue
         geometry.extra["byte_locations"] = "given" if given else (
-            "default" if (il_byte, xl_byte) == DEFAULT_BYTE_PAIR else "detected")
+            "default" if (il_byte, xl_byte) == DEFAULT_BYTE_PAIR else
+            "detected (CDP coordinates 181/185: no line-number pair formed a grid)"
+            if (il_byte, xl_byte) == CDP_COORDINATE_PAIR else "detected")
         geometry.extra["byte_pairs_rejected"] = {f"{a}/{b}": str(p) for (a, b), p in problems}
+        geometry.extra["sample_start_ms"] = start_ms
         return geometry
     (il_byte, xl_byte), first = problems[0]
     if given:

@@ -1,15 +1,17 @@
 """Reading the samples of SEG-Y traces: :class:`TraceReader`.
 
 It reads runs of consecutive traces with ``os.preadv`` into a reused buffer and converts their samples
-to float32: numpy for the integer and IEEE formats, segyio's own converter for IBM floats, so the
-values equal what ``segyio`` reads in every format segyio supports (1, 2, 3, 5, 6, 8, 9, 10, 11, 12,
-16), in either byte order, with or without SEG-Y rev 2 trace header extensions. The file's layout
-comes from :func:`sfm.ingest.segy.read_layout`.
+to float32: numpy for the integer and IEEE formats, so the values equal what ``segyio`` reads (formats 2,
+3, 5, 6, 8, 9, 10, 11, 12, 16), and an exact converter for IBM floats (format 1), equal to ``ibm2ieee``
+for every word and so to segyio for normalised ones within float32's range; in either byte order, with
+or without SEG-Y rev 2 trace header extensions. The file's layout comes from
+:func:`sfm.ingest.segy.read_layout`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 import numpy as np
@@ -22,7 +24,7 @@ class TraceReader:
     """Reads runs of consecutive traces and converts their samples to float32; safe to share by threads.
 
     Integer and IEEE formats are cast by numpy (exactly what ``np.asarray(segyio_trace, float32)``
-    gives); IBM floats go through segyio's own converter.
+    gives); IBM floats are converted exactly (:func:`_ibm_to_float32`).
     """
 
     def __init__(self, layout: SegyLayout):
@@ -63,7 +65,7 @@ class TraceReader:
         else:
             ibm = samples.copy().view(np.float32)  # contiguous, converted in place below
             if lay.endian == "little":
-                ibm.byteswap(inplace=True)  # segyio's converter expects the big-endian byte layout
+                ibm.byteswap(inplace=True)  # the converter takes the big-endian byte layout
             out[...] = _ibm_to_float32(ibm)
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -84,9 +86,68 @@ class TraceReader:
         self.close()
 
 
-def _ibm_to_float32(ibm: np.ndarray) -> np.ndarray:
-    """IBM floats (big-endian bytes viewed as float32) -> IEEE float32, in place, by segyio's converter."""
-    import segyio._segyio  # noqa: F401  (segyio.tools.native needs the extension loaded)
-    import segyio.tools
+def _ibm_scale_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Two float32 powers of two per IBM top byte (sign and 7-bit exponent), [256] each.
 
-    return segyio.tools.native(ibm, format=1, copy=False)
+    An IBM float is ``(-1)^s * F * 2^(4 * (e - 64) - 24)`` with F its 24-bit fraction. ``F * first``
+    is exact and normal (F < 2^24 fits float32's significand; the exponent is clipped to keep it in
+    range); ``* second`` then brings it to its value with one IEEE rounding (round half to even into
+    the denormal range, inf beyond float32's range), so the result is the correctly rounded value.
+    """
+    top = np.arange(256)
+    k = 4 * ((top & 0x7F) - 64) - 24
+    first = np.clip(k, -126, 104)  # F * 2^first in [2^-126, 2^128): exact
+    second = np.clip(k - first, -126, 127)  # k < -252: |value| < 2^-228, which rounds to 0 either way
+    return ((np.where(top >= 128, -1.0, 1.0) * np.exp2(first)).astype(np.float32),
+            np.exp2(second).astype(np.float32))
+
+
+_IBM_FIRST, _IBM_SECOND = _ibm_scale_tables()
+
+
+# IBM exponents (bits 24-30, bias 64) whose every value is a normal float32: 16^(e - 64) * F * 2^-24 with
+# 1 <= F < 2^24 stays within [2^-126, 2^128). Files whose samples all have them take the fast path.
+_IBM_MODERATE = (39, 96)
+_IEEE_EXPONENT_SHIFT = np.uint32((-153 << 23) & 0xFFFFFFFF)  # e << 25 plus this: the bits of 2^(4e - 280)
+
+
+def _ibm_to_float32(ibm: np.ndarray) -> np.ndarray:
+    """IBM floats (big-endian bytes viewed as float32, any shape, contiguous) -> IEEE float32, in place.
+
+    Exact for every IBM word, equal bit for bit to ``ibm2ieee.ibm2float32``: unnormalised fractions,
+    zero with any exponent (signed), values in the IEEE denormal range (rounded half to even), and
+    exponents beyond float32's range (+-inf). The value is the 24-bit fraction (exact in float32) times
+    a power of two, ``±2^(4 * (e - 64) - 24)``: built from the exponent bits when every exponent is
+    moderate (one exact product), else looked up in two steps (:func:`_ibm_scale_tables`).
+    """
+    words = ibm.view(np.uint32)
+    if sys.byteorder == "little":
+        words.byteswap(inplace=True)
+    scale = np.bitwise_and(words, 0x7F000000)  # e << 24
+    if scale.max() > _IBM_MODERATE[1] << 24:
+        return _ibm_extreme_to_float32(words, ibm)
+    if scale.min() < _IBM_MODERATE[0] << 24:  # fine only on zero words (muted or padded samples)
+        np.bitwise_and(words, 0x7FFFFFFF, out=scale)
+        scale -= 1  # a zero word wraps to the top
+        if scale.min() < (_IBM_MODERATE[0] << 24) - 1:
+            return _ibm_extreme_to_float32(words, ibm)
+        scale += 1
+        scale &= 0x7F000000
+        np.maximum(scale, _IBM_MODERATE[0] << 24, out=scale)  # a zero word: any moderate exponent gives its ±0
+    scale <<= 1
+    scale += _IEEE_EXPONENT_SHIFT
+    scale |= np.bitwise_and(words, 0x80000000)  # the float32 bits of ±2^(4e - 280)
+    np.bitwise_and(words, 0xFFFFFF, out=words)  # the fraction, < 2^24
+    np.multiply(words.view(np.int32), scale.view(np.float32), out=ibm, dtype=np.float32)
+    return ibm
+
+
+def _ibm_extreme_to_float32(words: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """:func:`_ibm_to_float32` for words [native uint32] with any exponent, into ``out`` (their float32 view)."""
+    top = np.right_shift(words, 24)  # sign and exponent
+    scale = _IBM_FIRST.take(top, mode="clip")
+    np.bitwise_and(words, 0xFFFFFF, out=words)
+    np.multiply(words.view(np.int32), scale, out=out, dtype=np.float32)
+    with np.errstate(over="ignore"):  # beyond float32's range: inf, which ingest counts as non-finite
+        out *= _IBM_SECOND.take(top, mode="clip", out=scale)
+    return out

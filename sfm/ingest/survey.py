@@ -107,6 +107,7 @@ def ingest_survey(src_url: str, data_root: str, config: IngestConfig | None = No
         "survey_id": survey_id, "name": name, "source_url": src_url, "store_url": store_url,
         "shape": attrs["shape"], "live_traces": int(layout.n_traces), "checksum": attrs["checksum"],
         "sample_format": layout.sample_format, "sample_interval_us": layout.sample_interval_us,
+        "sample_start_ms": attrs["sample_start_ms"],
         "dtype": opts.dtype, "ingested_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "stats_json": json.dumps(stats, sort_keys=True),
     }
@@ -115,6 +116,8 @@ def ingest_survey(src_url: str, data_root: str, config: IngestConfig | None = No
     seconds = time.perf_counter() - t0
     holes = geometry.shape[0] * geometry.shape[1] - layout.n_traces
     message = f"ingested {name}: {attrs['shape'][0]} x {attrs['shape'][1]} x {attrs['shape'][2]}, {holes} holes"
+    if geometry.extra["byte_locations"].startswith("detected ("):  # say when line numbers are really coordinates
+        message += f", inline/crossline {geometry.extra['byte_locations']}"
     if stats["nonfinite_replaced"]:
         message += f", {stats['nonfinite_replaced']} NaN/inf samples replaced by 0"
     details = {k: attrs[k] for k in ("iline_byte", "xline_byte", "byte_locations", "endian", "endian_source",
@@ -137,7 +140,8 @@ def _store_attrs(survey_id: str, name: str, src_url: str, size: int, digest: str
         "byte_pairs_rejected": geometry.extra["byte_pairs_rejected"],
         "endian": layout.endian, "endian_source": layout.endian_source, "segy_revision": layout.revision,
         "sample_format": layout.sample_format, "sample_format_name": layout.format_name,
-        "sample_interval_us": layout.sample_interval_us, "text_header": text, "text_encoding": encoding,
+        "sample_interval_us": layout.sample_interval_us, "sample_start_ms": geometry.extra["sample_start_ms"],
+        "text_header": text, "text_encoding": encoding,
         "shape": [*geometry.shape, layout.samples], "live_traces": int(layout.n_traces),
         "inline_step": geometry.extra["inline_step"], "crossline_step": geometry.extra["crossline_step"],
         "dtype": opts.dtype, "nonfinite_policy": opts.nonfinite,

@@ -57,6 +57,19 @@ def set_field(records: np.ndarray, trace: int, byte: int, value: int, endian: st
     records[trace, byte - 1 : byte + 3] = np.frombuffer(int(value).to_bytes(4, endian, signed=True), dtype=np.uint8)
 
 
+def set_fields(records: np.ndarray, byte: int, values, width: int = 4, endian: str = "big") -> None:
+    """Write signed integers ``values`` (one, or one per trace) at 1-based ``byte`` of every trace header."""
+    column = np.broadcast_to(np.asarray(values, dtype=np.int64), (len(records),))
+    raw = column.astype(f"{'>' if endian == 'big' else '<'}i{width}").view(np.uint8).reshape(-1, width)
+    records[:, byte - 1 : byte - 1 + width] = raw
+
+
+def set_ibm_words(records: np.ndarray, words: np.ndarray, endian: str = "big") -> None:
+    """Overwrite the samples of a format-1 file with raw IBM words [T, NS] uint32, in the file's byte order."""
+    raw = words.astype(">u4" if endian == "big" else "<u4").view(np.uint8)
+    records[:, TRACE_HEADER:] = raw.reshape(len(records), -1)
+
+
 def set_samples(records: np.ndarray, trace: int, index: np.ndarray, values, endian: str = "big") -> None:
     """Overwrite IEEE float samples (format 5) of one trace."""
     dtype = ">f4" if endian == "big" else "<f4"
