@@ -6,7 +6,6 @@ Every case is a generated file; the store is compared with segyio's reading, or 
 
 from __future__ import annotations
 
-import ibm2ieee
 import numpy as np
 import pytest
 import segyio
@@ -16,6 +15,7 @@ from sfm.errors import SFMError
 from sfm.ingest.contracts import read_store_attrs
 from sfm.ingest.survey import ingest_survey
 from support import ingest_cases as cases
+from support.ibm_words import ibm2ieee_float32, ingest_words
 
 pytestmark = pytest.mark.integration
 
@@ -134,26 +134,17 @@ def test_cdp_coordinates_are_taken_last_and_said_so(tmp_path):
 # IBM floats
 
 
-def ibm_edge_words(n_words: int, seed: int) -> np.ndarray:
-    """Every sign and exponent with zero, unnormalised, normalised and extreme fractions, then random words."""
-    fractions = np.array([0, 1, 0x7, 0x10, 0x100, 0xFFF, 0x10000, 0x0FFFFF, 0x100000, 0xFFFFFF], dtype=np.uint32)
-    edges = (np.arange(256, dtype=np.uint32)[:, None] << 24 | fractions).ravel()
-    rng = np.random.default_rng(seed)
-    rest = rng.integers(0, 1 << 32, n_words - edges.size, dtype=np.uint64).astype(np.uint32)
-    return np.concatenate([edges, rest])
-
-
 @pytest.mark.parametrize("endian", ["big", "little"])
 def test_ibm_samples_equal_ibm2ieee_through_ingest(tmp_path, endian):
     shape = (5, 4, 160)  # 3200 samples: every edge word and random ones
     amplitude = cases.volume(shape)
     path = cases.write(tmp_path / f"ibm-{endian}.sgy", amplitude, sample_format=1, endian=endian)
     head, records = cases.traces(path, shape[2])
-    words = ibm_edge_words(np.prod(shape), seed=18).reshape(20, shape[2])
+    words = ingest_words(int(np.prod(shape))).reshape(20, shape[2])
     cases.set_ibm_words(records, words, endian)
     cases.rewrite(path, head, records)
     row = ingest_survey(str(path), str(tmp_path / "root"))
-    expected = ibm2ieee.ibm2float32(words)
+    expected = ibm2ieee_float32("ingest", words.ravel()).reshape(words.shape).copy()
     overflow = ~np.isfinite(expected)
     expected[overflow] = 0.0  # ingest replaces inf by 0 and counts it
     stored = zarr.open_group(row["store_url"], mode="r")["amplitude"][...].reshape(20, shape[2])

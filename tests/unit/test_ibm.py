@@ -1,17 +1,18 @@
 """IBM float (SEG-Y format 1) -> IEEE float32: exact for every word, bit for bit what ``ibm2ieee`` gives.
 
-The reference is the ``ibm2ieee`` package (the `test` extra), plus values worked out by hand, so a
-converter that agrees with ibm2ieee on ordinary samples but not on the edge cases still fails.
+The reference is the ``ibm2ieee`` package (its values kept in tests/data, see
+``support.ibm_words``), plus values worked out by hand, so a converter that agrees with ibm2ieee on
+ordinary samples but not on the edge cases still fails.
 """
 
 from __future__ import annotations
 
-import ibm2ieee  # the test extra
 import numpy as np
 import segyio
 import segyio._segyio  # noqa: F401  (segyio.tools.native needs the extension loaded)
 
 from sfm.ingest.segy_traces import _ibm_to_float32
+from support.ibm_words import edge_words, ibm2ieee_float32, moderate_words, random_words
 
 
 
@@ -29,41 +30,24 @@ def word(sign: int, exponent: int, fraction: int) -> int:
     return (sign << 31) | (exponent << 24) | fraction
 
 
-def edge_words() -> np.ndarray:
-    """Every sign and exponent with fractions 0, 2^k - 1, 2^k, 2^k + 1 (unnormalised up to five leading
-    zero hex digits), the largest fraction and random ones: [256 * 1095] uint32."""
-    fractions = {0, 0xFFFFFF}
-    for k in range(24):
-        fractions.update({(1 << k) - 1, 1 << k, (1 << k) + 1})
-    fractions = np.array(sorted(f for f in fractions if f < 1 << 24), dtype=np.uint32)
-    rng = np.random.default_rng(18)
-    fractions = np.concatenate([fractions, rng.integers(0, 1 << 24, 1024, dtype=np.uint32)])
-    return (np.arange(256, dtype=np.uint32)[:, None] << 24 | fractions[None, :]).ravel()
+def equals_ibm2ieee(name: str, words: np.ndarray) -> bool:
+    return np.array_equal(bits(convert(words)), bits(ibm2ieee_float32(name, words)))
 
 
 def test_every_exponent_and_edge_fraction_equals_ibm2ieee():
-    words = edge_words()
-    assert np.array_equal(bits(convert(words)), bits(ibm2ieee.ibm2float32(words)))
+    assert equals_ibm2ieee("edge", edge_words())
 
 
 def test_random_words_equal_ibm2ieee_bit_for_bit():
-    words = np.random.default_rng(0).integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
-    assert np.array_equal(bits(convert(words)), bits(ibm2ieee.ibm2float32(words)))
+    assert equals_ibm2ieee("random", random_words())
 
 
 def test_moderate_exponents_with_any_fraction_equal_ibm2ieee():
-    rng = np.random.default_rng(2)  # exponents 39-96 only: the converter's fast path, zero fractions included
-    n = 1 << 20
-    fraction = rng.integers(0, 1 << 24, n, dtype=np.uint32) >> rng.integers(0, 24, n, dtype=np.uint32)
-    words = rng.integers(0, 2, n, dtype=np.uint32) << 31 | rng.integers(39, 97, n, dtype=np.uint32) << 24 | fraction
+    sets = moderate_words()  # exponents 39-96: the converter's fast path, then +-0 words, then one word outside
+    fraction = sets["moderate"] & 0xFFFFFF
     assert (fraction == 0).any() and (fraction < 1 << 20).mean() > 0.5
-    assert np.array_equal(bits(convert(words)), bits(ibm2ieee.ibm2float32(words)))
-    words[::7] = 0  # and +-0 with exponent 0, as muted samples are written
-    words[::11] = 0x80000000
-    assert np.array_equal(bits(convert(words)), bits(ibm2ieee.ibm2float32(words)))
-    for edge in (38, 97):  # one word just outside the moderate exponents: the other path, still exact
-        words[5] = edge << 24 | 0x123456
-        assert np.array_equal(bits(convert(words)), bits(ibm2ieee.ibm2float32(words)))
+    for name, words in sets.items():
+        assert equals_ibm2ieee(name, words), name
 
 
 def test_unnormalised_fractions_decode_to_their_value():
