@@ -284,6 +284,9 @@ class JobConfig:
                                   ("dist.strategy", self.dist.strategy, STRATEGIES)):
             if value not in valid:
                 raise SFMError(f"{key} = {value!r} is not valid; use one of {', '.join(valid)}")
+        if d.batch_dtype == "int8" and self.ingest.dtype != "int8":
+            raise SFMError(f"data.batch_dtype = \"int8\" delivers the stored int8 values, but ingest.dtype = "
+                           f"{self.ingest.dtype!r}; set ingest.dtype = \"int8\" or data.batch_dtype = \"float16\"")
         unknown = [a for a in filter(None, (x.strip() for x in d.augment.split(","))) if a not in AUGMENTATIONS]
         if unknown:
             raise SFMError(f"data.augment names {', '.join(unknown)}; use any of {', '.join(AUGMENTATIONS)}")

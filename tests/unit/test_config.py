@@ -13,11 +13,13 @@ def test_job_settings_are_validated_with_the_key_and_the_fix():
                           (dict(preset="gigantic"), "valid presets are tiny, mini"),
                           (dict(config={"data": {"augment": "rotate"}}), "data.augment names rotate"),
                           (dict(config={"train": {"snapshots": [1.5]}}), "train.snapshots"),
-                          (dict(config={"data": {"client": "curl"}}), "data.client = 'curl' is not valid")):
+                          (dict(config={"data": {"client": "curl"}}), "data.client = 'curl' is not valid"),
+                          (dict(config={"data": {"batch_dtype": "int8"}}), "but ingest.dtype = 'float32'; set ingest")):
         config = kwargs.pop("config", {})
         with pytest.raises(SFMError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
             pipeline.job_config(config, **kwargs)
     pipeline.job_config({})  # the defaults pass
+    pipeline.job_config({"ingest": {"dtype": "int8"}, "data": {"batch_dtype": "int8"}})
 
 
 def test_configs_saved_by_earlier_releases_still_load():
