@@ -4,6 +4,8 @@
     python flows/pretrain_flow.py run --surveys s3://b/landing/a.sgy,s3://b/landing/b.sgy \\
         --held-out s3://b/landing/c.sgy --data-root s3://b/sfm --preset base --nodes 4 --procs-per-node 8 \\
         --cp 2                                             # 32 ranks: 16 dp groups x 2 context-parallel ranks
+    python flows/pretrain_flow.py run --surveys s3://b/landing/big.sgy,... --ingest-parts 32
+                                                           # each survey scanned and written by up to 32 tasks
     python flows/pretrain_flow.py resume                   # after a failure: training continues from its checkpoint
 
 Each step calls one function of ``sfm.pipeline`` and keeps only small artifacts (URLs, ids, metrics).
@@ -110,6 +112,11 @@ class PretrainFlow(FlowSpec):
         self.merge_artifacts(inputs, include=["job", "root", "run_key"])
         with user_errors():
             self.parts = pipeline.plan_writes([i.scanned for i in inputs], self.root, JobConfig.from_dict(self.job))
+        self.next(self.split_parts)
+
+    @step
+    def split_parts(self):
+        """Fan out to the write tasks (Metaflow needs a step between a join and a foreach)."""
         self.next(self.ingest, foreach="parts")
 
     @retry(times=1, minutes_between_retries=0)

@@ -4,7 +4,6 @@ one part killed twice and the run resumed, reusing the other parts."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import threading
@@ -20,12 +19,6 @@ from sfm.config import IngestConfig
 from sfm.errors import SFMError
 from sfm.ingest import manifest, parts, segy
 from sfm.ingest.survey import ingest_survey
-
-
-def tree_digests(root: Path) -> dict[str, str]:
-    """Every file of a store -> sha256."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(root).rglob("*")) if p.is_file()}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
@@ -58,7 +51,7 @@ def test_parts_written_in_any_order_publish_the_one_task_store(dtype, tmp_path, 
     parts.write_part(writes[2], cfg)
     row = parts.publish_parts(writes, root)
     assert row["status"] == "ingested" and row["survey_id"] == one["survey_id"]
-    assert tree_digests(Path(row["store_url"])) == tree_digests(Path(one["store_url"]))
+    assert cases.store_digests(Path(row["store_url"])) == cases.store_digests(Path(one["store_url"]))
     assert manifest.get_row(root, row["survey_id"])["stats_json"] == one["stats_json"]
     assert sorted(os.listdir(Path(root) / "surveys")) == [f"{row['survey_id']}.zarr"]  # staging removed
 
@@ -157,6 +150,6 @@ def test_flow_ingests_one_survey_in_4_parts_and_resumes_only_the_killed_part(tmp
     view = client_view(resumed.pathspec, metaflow_env, cwd=str(tmp_path))
     one = ingest_survey(str(survey), str(tmp_path / "one"), chunk=16)
     assert view["train_stores"] == [str(data_root / "surveys" / Path(one["store_url"]).name)]
-    assert tree_digests(Path(view["train_stores"][0])) == tree_digests(Path(one["store_url"]))
+    assert cases.store_digests(Path(view["train_stores"][0])) == cases.store_digests(Path(one["store_url"]))
     assert sorted(os.listdir(data_root / "surveys")) == sorted(Path(u).name for u in
                                                                view["train_stores"] + view["held_out_stores"])
