@@ -1,6 +1,7 @@
 """Ingest benchmark (issue 3): generated SEG-Y of at least 1 GB, everything measured side by side in one run.
 
     python benchmarks/ingest.py [--gb 1.0] [--big-gb 4.0] [--repeat 2] [--workdir DIR] [--codec zstd:1]
+                                [--sections base,s3,parts] [--parts 1,2,4]
 
 Figures (the last line printed is one JSON object with all of them):
 
@@ -15,6 +16,12 @@ Figures (the last line printed is one JSON object with all of them):
   settings (``segyio.tools.cube`` then ``zarr.create_array(data=...)``); goal peer / ingest >= 2;
 - peak RSS (``VmHWM`` of the child process) of ingesting a ``--gb`` and a ``--big-gb`` input;
   goal big / small <= 1.3.
+
+Section ``s3`` (issue 18): the same two files ingested from ``rclone serve s3`` on loopback (``s3://bench/...``)
+into a local store, TMPDIR on a 64 MB tmpfs (where this process may mount one) watched for the bytes put
+there: MB/s, CPU-s per GB, local disk used, peak RSS at both sizes, and the store against a local ingest.
+Section ``parts``: the small file ingested by ``sfm.ingest.parts`` in 1, 2 and 4 parts, each task its own
+process: CPU-s per GB by stage, the stores compared, and on paper a 2 TB survey on 1, 8 and 32 nodes.
 
 Every timing is also taken in CPU seconds (user + system, all threads): ``cpu_floor_s`` = max(segyio's
 CPU, encode CPU / cores) against ``cpu_ingest_over_cores_s`` = ingest CPU / cores, i.e. what a

@@ -130,3 +130,48 @@ def test_s3_read_that_keeps_failing_is_retried_into_the_same_store(big_segy, lan
     local = ingest_survey(str(big_segy), str(tmp_path / "local-root"), chunk=32)
     assert streamed["survey_id"] == local["survey_id"]
     assert cases.store_digests(Path(streamed["store_url"]), True) == cases.store_digests(Path(local["store_url"]), True)
+
+
+@pytest.mark.timeout(120)
+def test_a_put_the_server_never_answers_is_abandoned_with_one_line(monkeypatch):
+    """A server that takes the request and never answers (seen from rclone under load): the writer's PUT
+    gives up after its deadline, tries again, then fails naming the key, instead of hanging for ever."""
+    import socket
+
+    from zarr.core.buffer.cpu import Buffer
+    from zarr.core.sync import sync
+
+    from sfm import storage
+    from sfm.errors import SFMError
+    from sfm.ingest import zarr_writer
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+
+    def swallow() -> None:  # accept and read, never answer
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            held.append(conn)
+            threading.Thread(target=lambda c=conn: [None for _ in iter(lambda: c.recv(1 << 16), b"")],
+                             daemon=True).start()
+
+    threading.Thread(target=swallow, daemon=True).start()
+    monkeypatch.setenv("SFM_S3_ENDPOINT_URL", f"http://127.0.0.1:{listener.getsockname()[1]}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    monkeypatch.setattr(zarr_writer, "PUT_SECONDS_BASE", 1.0)
+    store = storage.zarr_store("s3://hang/store.zarr")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(SFMError, match=r"did not answer a PUT of amplitude/c/0/0/0 .* 3 times; check the S3 endpoint"):
+            sync(zarr_writer.put_with_deadline(store, "amplitude/c/0/0/0", Buffer.from_bytes(b"x" * 1000)))
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+    assert time.monotonic() - t0 < 30
