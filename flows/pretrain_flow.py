@@ -4,6 +4,8 @@
     python flows/pretrain_flow.py run --surveys s3://b/landing/a.sgy,s3://b/landing/b.sgy \\
         --held-out s3://b/landing/c.sgy --data-root s3://b/sfm --preset base --nodes 4 --procs-per-node 8 \\
         --cp 2                                             # 32 ranks: 16 dp groups x 2 context-parallel ranks
+    python flows/pretrain_flow.py run --surveys s3://b/landing/big.sgy,... --ingest-parts 32
+                                                           # each survey scanned and written by up to 32 tasks
     python flows/pretrain_flow.py resume                   # after a failure: training continues from its checkpoint
 
 Each step calls one function of ``sfm.pipeline`` and keeps only small artifacts (URLs, ids, metrics).
@@ -64,6 +66,9 @@ class PretrainFlow(FlowSpec):
                    "default: the config's [dist] cp")
     strategy = Parameter("strategy", default=config_expr("job_of(config).dist.strategy"),
                          help="data-parallel strategy: ddp | fsdp2-zero2 | fsdp2-full; default: the config's")
+    ingest_parts = Parameter("ingest-parts", default=0, type=int,
+                             help="tasks to split each survey's ingest into (whole 4 GiB pieces to scan, whole shard "
+                             "rows to write); 0: the config's [ingest] parts, or one per [ingest] part_gb GB")
     init_from = Parameter("init-from", default="", help="continue pretraining from these weights: an exported "
                           "model folder URL, or champion|latest|vN of the registry in --data-root; empty: config's")
 
@@ -81,24 +86,62 @@ class PretrainFlow(FlowSpec):
             self.plan = pipeline.plan_surveys(self.surveys, self.held_out, self.root,
                                              JobConfig.from_dict(self.job).synth)
         self.run_key = current.run_id  # a resumed run clones this step, so it keeps the original key
-        self.next(self.ingest, foreach="plan")
+        with user_errors():
+            self.scans = pipeline.plan_ingest(self.plan, self.root, JobConfig.from_dict(self.job), self.run_key,
+                                              self.ingest_parts)
+        self.next(self.scan, foreach="scans")
 
+    # a killed scan or write part is retried at once, then `resume` runs only the parts that failed
+    @retry(times=1, minutes_between_retries=0)
     @step
-    def ingest(self):
+    def scan(self):
+        """Digest and header fields of one part (whole 4 GiB pieces) of one survey."""
         from sfm import pipeline
         from sfm.config import JobConfig
 
         with user_errors():
-            self.survey = pipeline.ingest(self.input, self.root, JobConfig.from_dict(self.job))
-        print(f"sfm ingest: {self.survey['name']} -> {self.survey['store_url']} ({self.survey['status']})")
+            self.scanned = pipeline.scan_part(self.input, JobConfig.from_dict(self.job))
+        self.next(self.plan_ingest)
+
+    @step
+    def plan_ingest(self, inputs):
+        """Each survey's identity, geometry and store arrays; its parts fan out to the write tasks."""
+        from sfm import pipeline
+        from sfm.config import JobConfig
+
+        self.merge_artifacts(inputs, include=["job", "root", "run_key"])
+        with user_errors():
+            self.parts = pipeline.plan_writes([i.scanned for i in inputs], self.root, JobConfig.from_dict(self.job))
+        self.next(self.split_parts)
+
+    @step
+    def split_parts(self):
+        """Fan out to the write tasks (Metaflow needs a step between a join and a foreach)."""
+        self.next(self.ingest, foreach="parts")
+
+    @retry(times=1, minutes_between_retries=0)
+    @step
+    def ingest(self):
+        """The shards of one part (whole shard rows) of one survey."""
+        from sfm import pipeline
+        from sfm.config import JobConfig
+
+        with user_errors():
+            self.part = pipeline.ingest(self.input, JobConfig.from_dict(self.job))
+        print(f"sfm ingest: part {self.part['part'] + 1} of {self.part['write_parts']} of {self.part['url']}: "
+              f"{self.part['columns']} brick columns")
         self.next(self.join)
 
     @step
     def join(self, inputs):
+        from sfm import pipeline
         from sfm.ingest import manifest
 
         self.merge_artifacts(inputs, include=["job", "root", "run_key"])
-        surveys = [i.survey for i in inputs]
+        with user_errors():
+            surveys = pipeline.publish([i.part for i in inputs], self.root)
+        for s in surveys:
+            print(f"sfm ingest: {s['name']} -> {s['store_url']} ({s['status']})")
         self.train_stores = [s["store_url"] for s in surveys if not s["held_out"]]
         self.held_out_stores = [s["store_url"] for s in surveys if s["held_out"]]
         self.survey_ids = [s["survey_id"] for s in surveys]

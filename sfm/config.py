@@ -38,6 +38,11 @@ class IngestConfig:
     nonfinite: str = "replace"  # "replace" NaN/inf by 0 and report, or "refuse" the file
     workers: int = 0  # threads; 0: the cores (at most 16), two more when the store is remote (PUTs wait)
     codec: str = "zstd:1"  # Blosc "cname[:clevel]" of the amplitude bricks; lz4 decodes faster (BENCHMARKS.md "Ingest")
+    # how the flow splits one survey between tasks (the store's bytes never depend on it): parts > 0 tasks,
+    # or 0: one task per part_gb GB of SEG-Y (at least one); each part scans whole 4 GiB pieces of the
+    # file and writes whole shard rows, so a survey has at most that many parts of each kind
+    parts: int = 0
+    part_gb: float = 64.0
 
     def check(self) -> None:
         """Every setting valid, or SFMError naming it and the fix."""
@@ -53,6 +58,10 @@ class IngestConfig:
             raise SFMError(f"--chunk {self.chunk} is not a brick edge; give 1..4096 voxels (default 128)")
         if not self.max_sparsity >= 1:
             raise SFMError(f"--max-sparsity {self.max_sparsity} must be at least 1 (cells per trace)")
+        if int(self.parts) < 0:
+            raise SFMError(f"ingest.parts = {self.parts} is not a number of tasks; give 0 (by size) or more")
+        if not self.part_gb > 0:
+            raise SFMError(f"ingest.part_gb = {self.part_gb} must be positive (GB of SEG-Y per task)")
         for byte in (self.iline_byte, self.xline_byte):
             if byte and not 1 <= int(byte) <= 237:
                 raise SFMError(f"byte location {byte} is outside the 240-byte trace header; use 1..237")

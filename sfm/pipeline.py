@@ -98,13 +98,60 @@ def generate_demo_surveys(data_root: str, synth: SynthConfig | None = None) -> l
     return plan
 
 
-def ingest(source: dict[str, Any], data_root: str, cfg: JobConfig) -> dict[str, Any]:
-    """Ingest one planned survey; returns a small reference (ids, URLs, shape, status)."""
-    from sfm.ingest.survey import ingest_survey
+def plan_ingest(plan: list[dict[str, Any]], data_root: str, cfg: JobConfig, run_key: str, parts: int = 0
+                ) -> list[dict[str, Any]]:
+    """The scan tasks of every planned survey (survey x part: :func:`sfm.ingest.parts.plan_scans`), each
+    with its survey's index and ``held_out``. ``parts`` (the flow's ``--ingest-parts``) overrides
+    ``ingest.parts``; a survey's parts stage their work under a key unique to this run and survey."""
+    from sfm.ingest.parts import plan_scans
 
-    row = ingest_survey(source["url"], data_root, cfg.ingest)
-    keep = ("survey_id", "name", "source_url", "store_url", "shape", "status", "seconds")
-    return {**{k: row[k] for k in keep}, "held_out": bool(source["held_out"])}
+    if int(parts) < 0:
+        raise SFMError(f"--ingest-parts {parts} is not a number of tasks; give 0 (by size, ingest.part_gb) or more")
+    scans = []
+    for index, source in enumerate(plan):
+        for scan in plan_scans(source["url"], f"{run_key}-{index}", data_root, cfg.ingest, parts):
+            scans.append({**scan, "survey": index, "held_out": bool(source["held_out"])})
+    return scans
+
+
+def scan_part(scan: dict[str, Any], cfg: JobConfig) -> dict[str, Any]:
+    """One scan task: digests and header fields of one byte range of a survey."""
+    from sfm.ingest.parts import scan_part as scan_range_part
+
+    return scan_range_part(scan, cfg.ingest)
+
+
+def plan_writes(scans: list[dict[str, Any]], data_root: str, cfg: JobConfig) -> list[dict[str, Any]]:
+    """After every scan task: each survey's identity, geometry and store arrays, and its write tasks."""
+    from sfm.ingest.parts import plan_writes as plan_survey_writes
+
+    writes = []
+    for index in sorted({s["survey"] for s in scans}):
+        mine = [s for s in scans if s["survey"] == index]
+        for part in plan_survey_writes(mine, data_root, cfg.ingest):
+            writes.append({**part, "survey": index, "held_out": mine[0]["held_out"]})
+    return writes
+
+
+def ingest(part: dict[str, Any], cfg: JobConfig) -> dict[str, Any]:
+    """One write task: the shards of one part of a survey (nothing for a survey published before)."""
+    from sfm.ingest.parts import write_part
+
+    return write_part(part, cfg.ingest)
+
+
+def publish(parts: list[dict[str, Any]], data_root: str) -> list[dict[str, Any]]:
+    """After every write task: publish each survey once (manifest row last); small references to them,
+    in plan order (ids, URLs, shape, status, held_out)."""
+    from sfm.ingest.parts import publish_parts
+
+    keep = ("survey_id", "name", "source_url", "store_url", "shape", "status")
+    surveys = []
+    for index in sorted({p["survey"] for p in parts}):
+        mine = sorted((p for p in parts if p["survey"] == index), key=lambda p: p["part"])
+        row = publish_parts(mine, data_root)
+        surveys.append({**{k: row[k] for k in keep}, "held_out": bool(mine[0]["held_out"])})
+    return surveys
 
 
 def run_root(data_root: str, flow_name: str, run_key: str) -> str:

@@ -3,6 +3,7 @@ the statistics, one column of bricks at a time on all cores, in bounded memory."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import threading
@@ -89,6 +90,44 @@ class _Moments:
         }
 
 
+def moments_to_bytes(units: list[_Moments]) -> bytes:
+    """Per-unit statistics as one ``.npz`` (exact: float64 and int64 columns, the kept traces stacked)."""
+    import io
+
+    ns = next((s.shape[1] for m in units for s in m.sample), 0)
+    columns = {name: np.array([getattr(m, name) for m in units], dtype=np.float64 if name in _FLOATS else np.int64)
+               for name in _FLOATS + _INTS}
+    counts = [[len(s) for s in m.sample] for m in units]
+    samples = [s for m in units for s in m.sample]
+    buf = io.BytesIO()
+    np.savez(buf, **columns, sample_units=np.array([len(c) for c in counts], dtype=np.int64),
+             sample_rows=np.array([n for c in counts for n in c], dtype=np.int64),
+             samples=np.concatenate(samples) if samples else np.zeros((0, ns), np.float32))
+    return buf.getvalue()
+
+
+def moments_from_bytes(data: bytes) -> list[_Moments]:
+    """The inverse of :func:`moments_to_bytes`."""
+    import io
+
+    z = np.load(io.BytesIO(data))
+    rows, samples = z["sample_rows"], z["samples"]
+    units, r, at = [], 0, 0
+    for u, k in enumerate(z["sample_units"]):
+        kept = []
+        for n in rows[r : r + int(k)]:
+            kept.append(samples[at : at + int(n)])
+            at += int(n)
+        r += int(k)
+        fields = {name: float(z[name][u]) for name in _FLOATS} | {name: int(z[name][u]) for name in _INTS}
+        units.append(_Moments(**fields, sample=kept))
+    return units
+
+
+_FLOATS = ("mean", "m2", "min", "max")
+_INTS = ("n", "nonfinite", "first_nonfinite", "zero_traces")
+
+
 # ------------------------------------------------------------------------------------------------
 # the store
 
@@ -105,6 +144,13 @@ class _Plan:
     offset: float = 0.0  # float16 and int8: amplitude = stored * scale + offset
     scale: float = 1.0
     hole: float = 0.0  # the stored value of a missing trace (decodes to exactly 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "_Plan":
+        return cls(**{**d, "shape": tuple(d["shape"]), "bricks": tuple(d["bricks"]), "shards": tuple(d["shards"])})
 
     @property
     def stored_limit(self) -> float:
@@ -210,19 +256,57 @@ def _create_arrays(group: GroupWriter, plan: _Plan, geometry: SurveyGeometry, la
 def write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, headers: dict,
                  attrs: dict[str, Any], opts: IngestConfig, progress: bool) -> dict[str, Any]:
     """Write the Zarr v3 group and return the statistics (computed while the traces stream through)."""
+    group, plan = prepare_store(store_url, layout, geometry, headers, opts)
+    columns = Columns(geometry.cell_traces(), 0, geometry.inlines, geometry.crosslines)
+    moments = write_columns(group, plan, layout, columns, plan.units, opts, progress)
+    return finish_store(group, plan, moments, attrs)
+
+
+def prepare_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, headers: dict,
+                  opts: IngestConfig) -> tuple[GroupWriter, "_Plan"]:
+    """Create the group's arrays and send their metadata and small arrays (not yet the root ``zarr.json``);
+    the float16 / int8 transform is fixed first, from evenly spaced traces."""
     plan = _plan(layout, geometry, opts)
-    cells = geometry.cell_traces()  # [IL, XL] trace number or -1
-    stride = max(1, layout.n_traces // PERCENTILE_TRACES)
-    with TraceReader(layout) as reader:
-        if plan.dtype != "float32":
+    if plan.dtype != "float32":
+        with TraceReader(layout) as reader:
             _fix_transform(plan, reader, layout.n_traces)
-        group = GroupWriter(store_url)
-        _create_arrays(group, plan, geometry, layout, headers)
-        writer = group.shards("amplitude")
-        b_il, b_xl, depth = plan.bricks
-        n_k = -(-plan.shape[2] // depth)  # bricks along the samples
-        per_shard = plan.shards[2] // depth
-        buffers = threading.local()  # per thread, reused: no page faults per column
+    group = GroupWriter(store_url)
+    _create_arrays(group, plan, geometry, layout, headers)
+    return group, plan
+
+
+@dataclass
+class Columns:
+    """The grid cells some brick columns read: ``cells`` [IL', XL] trace numbers (-1: hole) of the
+    inlines ``il_origin`` .. ``il_origin + IL' - 1``, and the survey's line numbers (for messages)."""
+
+    cells: np.ndarray
+    il_origin: int
+    inlines: np.ndarray  # [IL] int32
+    crosslines: np.ndarray  # [XL] int32
+
+    def line_of(self, trace: int) -> tuple[int, int]:
+        """(inline, crossline) numbers of ``trace``."""
+        i, j = (int(v[0]) for v in np.nonzero(self.cells == trace))
+        return int(self.inlines[self.il_origin + i]), int(self.crosslines[j])
+
+
+def write_columns(group: GroupWriter, plan: "_Plan", layout: SegyLayout, columns: Columns,
+                  units: list[tuple[int, int, int, int]], opts: IngestConfig, progress: bool) -> list[_Moments]:
+    """Read, encode and write the shards of brick columns ``units`` [(il0, il1, xl0, xl1)] (all inside
+    ``columns``) on all cores; returns the statistics of each unit, in the order of ``units``.
+
+    Memory stays at two units per thread in flight. With ``opts.nonfinite == "refuse"`` the first unit (in
+    order) holding NaN/inf stops the work with an SFMError naming its first such trace.
+    """
+    cells = columns.cells
+    stride = max(1, layout.n_traces // PERCENTILE_TRACES)
+    writer = group.shards("amplitude")
+    b_il, b_xl, depth = plan.bricks
+    n_k = -(-plan.shape[2] // depth)  # bricks along the samples
+    per_shard = plan.shards[2] // depth
+    buffers = threading.local()  # per thread, reused: no page faults per column
+    with TraceReader(layout) as reader:
 
         def work(unit: tuple[int, int, int, int]) -> _Moments:
             il0, il1, xl0, xl1 = unit
@@ -230,7 +314,7 @@ def write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, he
                 # brick-major: column[k] is the k-th brick along the samples, C-contiguous, what the codec reads
                 buffers.column = np.empty((n_k, b_il, b_xl, depth), dtype=np.float32)
                 buffers.block = np.empty((reader.max_traces, plan.shape[2]), dtype=np.float32)
-            unit_cells = cells[il0:il1, xl0:xl1]
+            unit_cells = cells[il0 - columns.il_origin : il1 - columns.il_origin, xl0:xl1]
             moments = _read_unit(reader, unit_cells, buffers.column, buffers.block, stride)
             if moments.n == 0:
                 return moments  # all holes: no shard (zarr reads fill value, which decodes to 0)
@@ -240,37 +324,45 @@ def write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, he
                 writer.write_bricks((il0 // b_il, xl0 // b_xl, s), bricks)
             return moments
 
-        total = _Moments()
-        units = plan.units
+        done: list[_Moments] = []
         bar = _progress(len(units), layout.name, progress)
 
-        def merge(moments: _Moments) -> None:
-            total.merge(moments)
+        def collect(moments: _Moments) -> None:
+            done.append(moments)
             bar.update(1)
-            if total.nonfinite and opts.nonfinite == "refuse":
-                t = total.first_nonfinite
+            if moments.nonfinite and opts.nonfinite == "refuse":
+                inline, crossline = columns.line_of(moments.first_nonfinite)
                 raise SFMError(
-                    f"{layout.name} has NaN/inf samples (first in trace #{t + 1}, inline "
-                    f"{int(geometry.inlines[geometry.trace_il[t]])}, crossline "
-                    f"{int(geometry.crosslines[geometry.trace_xl[t]])}); fix the file, or ingest without "
+                    f"{layout.name} has NaN/inf samples (first in trace #{moments.first_nonfinite + 1}, inline "
+                    f"{inline}, crossline {crossline}); fix the file, or ingest without "
                     "--refuse-nonfinite to replace them by 0 and count them")
 
-        workers = ingest_threads(opts, remote=storage.is_s3(store_url))
+        workers = ingest_threads(opts, remote=storage.is_s3(group.url) or storage.is_s3(layout.path))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sfm-ingest") as pool:
             pending: deque = deque()
             try:
                 for unit in units:  # at most 2 units per worker in flight: memory stays bounded
                     pending.append(pool.submit(work, unit))
                     while len(pending) >= 2 * workers:
-                        merge(pending.popleft().result())
+                        collect(pending.popleft().result())
                 while pending:
-                    merge(pending.popleft().result())
+                    collect(pending.popleft().result())
             except BaseException:
                 for future in pending:
                     future.cancel()
                 raise
             finally:
                 bar.close()
+    return done
+
+
+def finish_store(group: GroupWriter, plan: "_Plan", moments: list[_Moments], attrs: dict[str, Any]) -> dict[str, Any]:
+    """Merge the units' statistics in the order given (the store's unit order: the same bytes however
+    the units were split between tasks), complete ``attrs`` and write the root ``zarr.json``, last.
+    Returns the statistics."""
+    total = _Moments()
+    for unit in moments:
+        total.merge(unit)
     stats = total.result()
     attrs["stats"] = stats
     attrs["store"] = {"bricks": list(plan.bricks), "shards": list(plan.shards), "shard_index": "start",
@@ -278,7 +370,7 @@ def write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, he
                       "dtype": plan.dtype}
     if plan.dtype != "float32":
         attrs["amplitude_transform"] = _transform_attrs(plan)
-    validate("survey_store", attrs, f"survey store {store_url}")
+    validate("survey_store", attrs, f"survey store {group.url}")
     group.finish(attrs)
     return stats
 

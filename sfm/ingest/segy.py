@@ -2,9 +2,10 @@
 
 The file is read in two passes, both in bounded memory:
 
-1. :func:`scan_file` reads every byte once, in fixed blocks: it digests the content (BLAKE3 of the
-   whole file, the survey's identity) and, on the other cores meanwhile, keeps a few integer fields
-   of each 240-byte trace header (any 4- or 2-byte position, not only the fields segyio names).
+1. :func:`scan_file` reads every byte once, in fixed blocks: it digests the content (BLAKE3, the
+   survey's identity, :data:`DIGEST_ALGORITHM`) and, on the other cores meanwhile, keeps a few integer
+   fields of each 240-byte trace header (any 4- or 2-byte position, not only the fields segyio names);
+   :func:`scan_range` does the same for one range of pieces, so several tasks can scan one file.
 2. :class:`sfm.ingest.segy_traces.TraceReader` reads runs of consecutive traces and converts their
    samples to float32, equal to what ``segyio`` reads.
 
@@ -17,7 +18,6 @@ different delays. Problems a user can cause raise :class:`SFMError` naming the f
 from __future__ import annotations
 
 import math
-import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sfm.errors import SFMError
+from sfm.storage.ranged_file import RangedFile, open_ranged
 
 TEXT_HEADER_BYTES = 3200
 BINARY_HEADER_BYTES = 400
@@ -63,10 +64,16 @@ CDP_X_FIELD = (181, 4)
 CDP_Y_FIELD = (185, 4)
 BYTE_ORDER_CONSTANT = 0x01020304  # SEG-Y rev 2, byte 3297, written in the file's byte order
 
-SCAN_BLOCK_BYTES = 16 << 20  # the file is mapped in windows of this size while it is digested
-# The content digest: BLAKE3 (cryptographic, faster than sha256: BENCHMARKS.md "Ingest") of the whole file, exactly what
-# `b3sum FILE` prints; survey_id is its first 16 hex digits. Stores record it as "blake3:<64 hex digits>".
+SCAN_BLOCK_BYTES = 16 << 20  # the file is read in windows of this size while it is digested
+# The content digest: BLAKE3 (cryptographic, faster than sha256: BENCHMARKS.md "Ingest"); survey_id is its first 16
+# hex digits. A file of up to PIECE_BYTES: the BLAKE3 of the whole file, exactly what `b3sum FILE` prints, recorded as
+# "blake3:<64 hex digits>". A larger file: BLAKE3 over the 32-byte BLAKE3 digests of its consecutive PIECE_BYTES
+# pieces (the last one shorter), recorded as "blake3-4GiB-pieces:<64 hex digits>". The pieces hash independently,
+# so the scan of a big file runs as many tasks as it has pieces, and the identity depends on the bytes only, never
+# on how many tasks read them; a fixed piece size keeps every file up to 4 GiB at its b3sum identity.
 DIGEST_ALGORITHM = "blake3"
+PIECE_BYTES = 4 << 30
+PIECES_ALGORITHM = "blake3-4GiB-pieces"
 READ_BUFFER_BYTES = 1 << 20  # TraceReader reads at most this many bytes per call (traces stay in L2 cache)
 
 
@@ -129,10 +136,10 @@ class SurveyGeometry:
 
 
 def read_layout(path: str, endian: str = "auto") -> SegyLayout:
-    """Byte order, format and trace count of a local SEG-Y file."""
-    with open(path, "rb") as fh:
-        head = fh.read(TEXT_HEADER_BYTES + BINARY_HEADER_BYTES)
-    return layout_from_header(path, head, os.path.getsize(path), endian)
+    """Byte order, format and trace count of a SEG-Y file, local or ``s3://`` (one ranged GET)."""
+    with open_ranged(path) as source:
+        head = source.read(0, TEXT_HEADER_BYTES + BINARY_HEADER_BYTES)
+        return layout_from_header(path, head, source.size, endian)
 
 
 def _binary_fields(binary: bytes, order: str) -> dict[str, int]:
@@ -259,74 +266,126 @@ def scan_file(layout: SegyLayout, fields: list[tuple[int, int]], workers: int | 
               ) -> tuple[str, dict[tuple[int, int], np.ndarray]]:
     """Digest the whole file and read trace header ``fields`` [(1-based byte, width 2 or 4)], in one pass.
 
-    The file is mapped in :data:`SCAN_BLOCK_BYTES` windows, one after the other: this thread hashes each
-    window (BLAKE3 releases the GIL and may use idle cores itself) while a pool thread copies the
-    header fields out of it. Memory stays at two windows whatever the file size.
+    Returns:
+        digest: hex content digest of the file's bytes (:func:`content_digest`, see :data:`DIGEST_ALGORITHM`).
+        values: {(byte, width): int32 [T]} signed integers in the file's byte order.
+    """
+    with open_ranged(layout.path) as source:
+        pieces, values = scan_range(layout, fields, 0, source.size, workers, source)
+    return combine_pieces(pieces), values
+
+
+def scan_range(layout: SegyLayout, fields: list[tuple[int, int]], start: int, stop: int,
+               workers: int | None = None, source: RangedFile | None = None
+               ) -> tuple[list[str], dict[tuple[int, int], np.ndarray]]:
+    """Digest bytes ``[start, stop)`` piece by piece and read the ``fields`` of the trace headers that
+    begin there, in one pass; ``start`` is a multiple of :data:`PIECE_BYTES` (``stop`` too, or the file's end).
+
+    The bytes come in :data:`SCAN_BLOCK_BYTES` windows, one after the other (mapped from a local file,
+    fetched ahead by ranged GETs from S3, :meth:`sfm.storage.ranged_file.RangedFile.windows`): this thread
+    hashes each window (BLAKE3 releases the GIL and may use idle cores itself) while a pool thread copies
+    the header fields out of it. Memory stays at a few windows whatever the file size.
 
     Returns:
-        digest: hex BLAKE3 of the file's bytes (see :data:`DIGEST_ALGORITHM`).
-        values: {(byte, width): int32 [T]} signed integers in the file's byte order.
+        pieces: hex BLAKE3 of each :data:`PIECE_BYTES` piece in the range, in order.
+        values: {(byte, width): int32 [t1 - t0]} for the traces t0 <= t < t1 whose headers begin in the range
+            (:func:`traces_in_range`), signed integers in the file's byte order.
     """
     import blake3
 
-    size = os.path.getsize(layout.path)
+    if start % PIECE_BYTES:
+        raise ValueError(f"scan ranges start on a piece boundary ({PIECE_BYTES} bytes), not at {start}")
+    own = source is None
+    source = source or open_ranged(layout.path)
     fields = sorted(set(fields))
-    values = {f: np.empty(layout.n_traces, dtype=np.int32) for f in fields}
+    t0, t1 = traces_in_range(layout, start, stop)
+    values = {f: np.empty(t1 - t0, dtype=np.int32) for f in fields}
     order = ">" if layout.endian == "big" else "<"
-    fd = os.open(layout.path, os.O_RDONLY)
 
-    def headers_in(start: int, data: memoryview) -> None:
-        """Copy the fields of the trace headers that start inside [start, start + len(data))."""
+    def headers_in(at: int, data: memoryview) -> None:
+        """Copy the fields of the trace headers that start inside [at, at + len(data)) and in the range."""
         tb, off, hb = layout.trace_bytes, layout.data_offset, TRACE_HEADER_BYTES
-        first = max(0, -(-(start - off) // tb))
-        last = min(layout.n_traces, (start + len(data) - off + tb - 1) // tb)  # exclusive
+        first = max(t0, -(-(at - off) // tb))
+        last = min(t1, (at + len(data) - off + tb - 1) // tb)  # exclusive
         if last <= first:
             return
-        whole_last = min(last, (start + len(data) - off - hb) // tb + 1)  # headers entirely inside
+        whole_last = max(first, min(last, (at + len(data) - off - hb) // tb + 1))  # headers entirely inside
         buf = np.frombuffer(data, dtype=np.uint8)
         if whole_last > first:
-            base = off + first * tb - start
+            base = off + first * tb - at
             rows = np.lib.stride_tricks.as_strided(buf[base:], shape=(whole_last - first, hb), strides=(tb, 1))
             for byte, width in fields:
                 col = np.ascontiguousarray(rows[:, byte - 1 : byte - 1 + width]).view(f"{order}i{width}")
-                values[(byte, width)][first:whole_last] = col.ravel()
-        for t in range(max(first, whole_last), last):  # a header cut by the window's end: read it whole
-            raw = np.frombuffer(os.pread(fd, hb, off + t * tb), dtype=np.uint8)
+                values[(byte, width)][first - t0 : whole_last - t0] = col.ravel()
+        for t in range(whole_last, last):  # a header cut by the window's end: read it whole
+            raw = np.frombuffer(source.read(off + t * tb, hb), dtype=np.uint8)
             for byte, width in fields:
-                values[(byte, width)][t] = raw[byte - 1 : byte - 1 + width].view(f"{order}i{width}")[0]
+                values[(byte, width)][t - t0] = raw[byte - 1 : byte - 1 + width].view(f"{order}i{width}")[0]
 
-    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    pieces: list[str] = []
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(2, workers or 2))) as pool:
-            for start in range(0, size, SCAN_BLOCK_BYTES):
-                # a mapped window, not a read: no copy out of the page cache, and RSS stays at the windows in use
-                with mmap.mmap(fd, min(SCAN_BLOCK_BYTES, size - start), offset=start, access=mmap.ACCESS_READ) as window:
-                    view = memoryview(window)
-                    try:
-                        headers = pool.submit(headers_in, start, view)
-                        hasher.update(view)
-                        headers.result()
-                    finally:
-                        view.release()
+            for piece in range(start, stop, PIECE_BYTES):
+                hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+                for at, view in source.windows(piece, min(stop, piece + PIECE_BYTES), SCAN_BLOCK_BYTES):
+                    headers = pool.submit(headers_in, at, view)
+                    hasher.update(view)
+                    headers.result()
+                pieces.append(hasher.hexdigest())
     finally:
-        os.close(fd)
-    return hasher.hexdigest(), values
+        if own:
+            source.close()
+    return pieces, values
+
+
+def traces_in_range(layout: SegyLayout, start: int, stop: int) -> tuple[int, int]:
+    """(t0, t1): the traces whose headers begin in bytes ``[start, stop)``."""
+    tb, off = layout.trace_bytes, layout.data_offset
+    first = max(0, -(-(start - off) // tb))
+    last = max(first, min(layout.n_traces, -(-(stop - off) // tb)))
+    return first, last
+
+
+def combine_pieces(pieces: list[str]) -> str:
+    """The content digest from the BLAKE3 digests of the file's consecutive :data:`PIECE_BYTES` pieces:
+    that digest itself for a file of one piece (what ``b3sum`` prints), else BLAKE3 over the pieces'
+    32-byte digests, concatenated in order (:data:`PIECES_ALGORITHM`)."""
+    import blake3
+
+    if len(pieces) == 1:
+        return pieces[0]
+    return blake3.blake3(b"".join(bytes.fromhex(p) for p in pieces)).hexdigest()
+
+
+def digest_algorithm(size: int) -> str:
+    """How the content digest of a ``size``-byte file is computed: :data:`DIGEST_ALGORITHM` for a file of
+    one piece, :data:`PIECES_ALGORITHM` for a larger one."""
+    return DIGEST_ALGORITHM if size <= PIECE_BYTES else PIECES_ALGORITHM
 
 
 def file_digest(path: str) -> str:
-    """The content digest of any local file (hex BLAKE3, the same as :func:`scan_file` gives)."""
+    """The content digest of any file, local or ``s3://`` (the same as :func:`scan_file` gives)."""
     import blake3
 
-    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    block = bytearray(SCAN_BLOCK_BYTES)  # read in blocks: memory stays at one block whatever the file size
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(block):
-            hasher.update(memoryview(block)[:n])
-    return hasher.hexdigest()
+    pieces = []
+    with open_ranged(path) as source:  # read in windows: memory stays at a few whatever the file size
+        for piece in range(0, max(1, source.size), PIECE_BYTES):
+            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+            for _, view in source.windows(piece, min(source.size, piece + PIECE_BYTES), SCAN_BLOCK_BYTES):
+                hasher.update(view)
+            pieces.append(hasher.hexdigest())
+    return combine_pieces(pieces)
+
+
+def checksum_fields(size: int, digest: str) -> dict[str, str]:
+    """``checksum`` ("<algorithm>:<64 hex digits>") and ``checksum_algorithm`` of a store and its row."""
+    algorithm = digest_algorithm(size)
+    return {"checksum": f"{algorithm}:{digest}", "checksum_algorithm": algorithm}
 
 
 def checksum_text(digest: str) -> str:
-    """How stores and manifest rows record a digest: ``"blake3:<64 hex digits>"``."""
+    """How stores and manifest rows record the digest of a file of one piece: ``"blake3:<64 hex digits>"``
+    (:func:`checksum_fields` for any size)."""
     return f"{DIGEST_ALGORITHM}:{digest}"
 
 
@@ -535,9 +594,8 @@ def cdp_coordinates(geometry: SurveyGeometry, headers: dict[tuple[int, int], np.
 
 def text_header(layout: SegyLayout) -> tuple[str, str]:
     """The 3200-byte textual header decoded as EBCDIC or ASCII, whichever reads as text, and which it was."""
-    with open(layout.path, "rb") as fh:
-        raw = fh.read(TEXT_HEADER_BYTES)
-    return decode_text_header(raw)
+    with open_ranged(layout.path) as source:
+        return decode_text_header(source.read(0, TEXT_HEADER_BYTES))
 
 
 def decode_text_header(raw: bytes) -> tuple[str, str]:

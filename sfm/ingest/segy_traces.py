@@ -1,16 +1,15 @@
 """Reading the samples of SEG-Y traces: :class:`TraceReader`.
 
-It reads runs of consecutive traces with ``os.preadv`` into a reused buffer and converts their samples
-to float32: numpy for the integer and IEEE formats, so the values equal what ``segyio`` reads (formats 2,
-3, 5, 6, 8, 9, 10, 11, 12, 16), and an exact converter for IBM floats (format 1), equal to ``ibm2ieee``
-for every word and so to segyio for normalised ones within float32's range; in either byte order, with
-or without SEG-Y rev 2 trace header extensions. The file's layout comes from
-:func:`sfm.ingest.segy.read_layout`.
+It reads runs of consecutive traces into a reused buffer (``os.preadv`` from a local file, ranged GETs
+from S3: :mod:`sfm.storage.ranged_file`) and converts their samples to float32: numpy for the integer
+and IEEE formats, so the values equal what ``segyio`` reads (formats 2, 3, 5, 6, 8, 9, 10, 11, 12, 16),
+and an exact converter for IBM floats (format 1), equal to ``ibm2ieee`` for every word and so to
+segyio for normalised ones within float32's range; in either byte order, with or without SEG-Y rev 2
+trace header extensions. The file's layout comes from :func:`sfm.ingest.segy.read_layout`.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 
@@ -18,6 +17,7 @@ import numpy as np
 
 from sfm.errors import SFMError
 from sfm.ingest.segy import READ_BUFFER_BYTES, SAMPLE_FORMATS, SegyLayout
+from sfm.storage.ranged_file import open_ranged
 
 
 class TraceReader:
@@ -32,7 +32,7 @@ class TraceReader:
         code = SAMPLE_FORMATS[layout.sample_format][1]
         order = ">" if layout.endian == "big" else "<"
         self._dtype = np.dtype(f"{order}{code}") if code else None  # None: IBM float
-        self._fd = os.open(layout.path, os.O_RDONLY)
+        self.source = open_ranged(layout.path)
         self._local = threading.local()  # one read buffer per thread, reused
         # traces per read: runs longer than this are read in pieces, so a piece stays in the L2 cache
         self.max_traces = max(1, READ_BUFFER_BYTES // layout.trace_bytes)
@@ -40,8 +40,8 @@ class TraceReader:
     def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
         """Traces [start, stop) into ``out`` [stop - start, samples] float32 (any writable view).
 
-        The run's bytes are read with one ``preadv`` into this thread's buffer (no page faults, no
-        mapping to tear down) and converted from there into ``out``.
+        The run's bytes are read with one ``preadv`` (or one ranged GET) into this thread's buffer (no page
+        faults, no mapping to tear down) and converted from there into ``out``.
         """
         for lo in range(start, stop, self.max_traces):
             hi = min(stop, lo + self.max_traces)
@@ -54,7 +54,7 @@ class TraceReader:
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < nbytes:
             buf = self._local.buf = bytearray(max(nbytes, self.max_traces * lay.trace_bytes))
-        got = os.preadv(self._fd, [memoryview(buf)[:nbytes]], lay.data_offset + start * lay.trace_bytes)
+        got = self.source.read_into(lay.data_offset + start * lay.trace_bytes, memoryview(buf)[:nbytes])
         if got < nbytes:
             raise SFMError(f"{lay.name} changed while it was read (it ends before trace #{stop}); "
                            "ingest a file that is not being written")
@@ -75,9 +75,7 @@ class TraceReader:
         return out
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self.source.close()
 
     def __enter__(self) -> "TraceReader":
         return self

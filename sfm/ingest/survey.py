@@ -3,7 +3,9 @@
 One call ingests one survey:
 
 1. read the layout from the binary header, then one parallel pass over the file digests its content
-   (``survey_id``) and reads the trace header fields; a survey already in the manifest is a no-op;
+   (``survey_id``) and reads the trace header fields; a survey already in the manifest is a no-op.
+   An ``s3://`` file is read where it is, by ranged GETs (:mod:`sfm.storage.ranged_file`), never copied
+   to local disk;
 2. build the full (inline, crossline) grid, refusing what cannot be stored faithfully;
 3. stream the traces, one column of bricks (``chunk`` inlines x ``chunk`` crosslines x all samples)
    at a time, on all cores: read runs of consecutive traces into a small per-thread buffer, convert
@@ -24,8 +26,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-import os
-import tempfile
 import time
 from typing import Any
 
@@ -35,14 +35,19 @@ from sfm.config import IngestConfig
 from sfm.ingest import manifest
 from sfm.ingest.contracts import read_store_attrs
 from sfm.errors import SFMError
-from sfm.ingest.segy import (DIGEST_ALGORITHM, build_geometry, checksum_text, header_fields_needed,
-                             read_layout, scan_file, text_header)
+from sfm.ingest.segy import (DIGEST_ALGORITHM, build_geometry, checksum_fields, checksum_text,
+                             header_fields_needed, read_layout, scan_file, text_header)
 from sfm.ingest.options import DEFAULT_CODEC, STORE_VERSION, ingest_threads  # noqa: F401  (DEFAULT_CODEC: the CLI's)
 from sfm.ingest.cube_writer import write_store
 
 
 def survey_store_url(data_root: str, survey_id: str) -> str:
     return storage.join(data_root, "surveys", f"{survey_id}.zarr")
+
+
+def source_size(layout) -> int:
+    """Bytes of the SEG-Y file (its layout accounts for every byte: a file that does not is refused)."""
+    return int(layout.data_offset + layout.n_traces * layout.trace_bytes)
 
 
 def survey_name(url: str) -> str:
@@ -63,9 +68,10 @@ def ingest_survey(src_url: str, data_root: str, config: IngestConfig | None = No
     Returns the manifest row plus ``status`` ("ingested" or "exists"), ``message``, ``seconds``,
     ``mb_per_s`` and ``details`` (byte locations and how they were found, byte order, holes, ...).
 
-    ``survey_id`` is the first 16 hex digits of the file's BLAKE3 digest (what ``b3sum`` prints), so
-    the same bytes always give the same survey, wherever they come from; the store and the manifest
-    row record the whole digest as ``checksum`` = "blake3:<64 hex digits>".
+    ``survey_id`` is the first 16 hex digits of the file's BLAKE3 content digest (what ``b3sum`` prints for
+    files up to 4 GiB; see :data:`sfm.ingest.segy.DIGEST_ALGORITHM` for larger ones), so the same bytes
+    always give the same survey, wherever they come from; the store and the manifest row record the whole
+    digest as ``checksum`` = "<algorithm>:<64 hex digits>".
 
     ``config`` (default: ``IngestConfig()``) says how; ``settings`` override its fields (e.g.
     ``chunk=64``; ``iline_byte=None`` means detect, as 0 does).
@@ -78,39 +84,31 @@ def ingest_survey(src_url: str, data_root: str, config: IngestConfig | None = No
     data_root = storage.normalize(data_root)
     src_url = storage.normalize(src_url)
     name = survey_name(src_url)
-    with tempfile.TemporaryDirectory(prefix="sfm-ingest-") as workdir:
-        local = storage.local_copy(src_url, workdir)
-        if os.path.isdir(local):
-            raise SFMError(f"{src_url} is a directory, not a SEG-Y file; name the .sgy file itself")
-        layout = read_layout(local, opts.endian)  # fails fast on files that are not SEG-Y
-        fields = header_fields_needed(il_byte, xl_byte)
-        t_scan = time.perf_counter()
-        digest, headers = scan_file(layout, fields, ingest_threads(opts))
-        timings = {"fetch_s": t_scan - t0, "scan_s": time.perf_counter() - t_scan}
-        survey_id = digest[:16]
-        existing = manifest.get_row(data_root, survey_id)
-        if existing is not None:
-            return _exists(existing, src_url, t0)
-        geometry = build_geometry(layout, headers, il_byte, xl_byte, opts.max_sparsity)
-        store_url = survey_store_url(data_root, survey_id)
-        attrs = _store_attrs(survey_id, name, src_url, os.path.getsize(local), digest, layout, geometry, opts)
-        t_write = time.perf_counter()
-        timings["geometry_s"] = t_write - t_scan - timings["scan_s"]
-        try:
-            stats = write_store(store_url, layout, geometry, headers, attrs, opts, progress)
-            timings["write_s"] = time.perf_counter() - t_write
-        except BaseException as err:
-            if isinstance(err, Exception) and manifest.get_row(data_root, survey_id) is None:
-                storage.remove(store_url)  # a failed ingest leaves no store (a killed one leaves an invisible one)
-            raise
-    row = {
-        "survey_id": survey_id, "name": name, "source_url": src_url, "store_url": store_url,
-        "shape": attrs["shape"], "live_traces": int(layout.n_traces), "checksum": attrs["checksum"],
-        "sample_format": layout.sample_format, "sample_interval_us": layout.sample_interval_us,
-        "sample_start_ms": attrs["sample_start_ms"],
-        "dtype": opts.dtype, "ingested_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "stats_json": json.dumps(stats, sort_keys=True),
-    }
+    # read where the file is (ranged GETs for s3://, no local copy): local disk stays untouched
+    layout = read_layout(src_url, opts.endian)  # fails fast on files that are not SEG-Y
+    fields = header_fields_needed(il_byte, xl_byte)
+    t_scan = time.perf_counter()
+    digest, headers = scan_file(layout, fields, ingest_threads(opts))
+    timings = {"open_s": t_scan - t0, "scan_s": time.perf_counter() - t_scan}
+    survey_id = digest[:16]
+    existing = manifest.get_row(data_root, survey_id)
+    if existing is not None:
+        return _exists(existing, src_url, t0)
+    geometry = build_geometry(layout, headers, il_byte, xl_byte, opts.max_sparsity)
+    store_url = survey_store_url(data_root, survey_id)
+    size = source_size(layout)
+    attrs = _store_attrs(survey_id, name, src_url, size, digest, layout, geometry, opts)
+    attrs.update(checksum_fields(size, digest))
+    t_write = time.perf_counter()
+    timings["geometry_s"] = t_write - t_scan - timings["scan_s"]
+    try:
+        stats = write_store(store_url, layout, geometry, headers, attrs, opts, progress)
+        timings["write_s"] = time.perf_counter() - t_write
+    except BaseException as err:
+        if isinstance(err, Exception) and manifest.get_row(data_root, survey_id) is None:
+            storage.remove(store_url)  # a failed ingest leaves no store (a killed one leaves an invisible one)
+        raise
+    row = manifest_row(attrs, store_url, stats)
     if not manifest.publish(data_root, row):  # last: the survey becomes visible only now
         return _exists(manifest.get_row(data_root, survey_id), src_url, t0, concurrent=True)
     seconds = time.perf_counter() - t0
@@ -126,6 +124,13 @@ def ingest_survey(src_url: str, data_root: str, config: IngestConfig | None = No
     details["timings"] = {k: round(v, 3) for k, v in timings.items()}
     return {**row, "status": "ingested", "message": message, "details": details, "seconds": seconds,
             "mb_per_s": attrs["source_size"] / 1e6 / seconds}
+
+
+def manifest_row(attrs: dict[str, Any], store_url: str, stats: dict[str, Any]) -> dict[str, Any]:
+    """The survey's manifest row (data_contracts/manifest_row.schema.json) from its store attributes."""
+    made = {"store_url": store_url, "ingested_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "stats_json": json.dumps(stats, sort_keys=True)}
+    return {k: made[k] if k in made else attrs[k] for k in manifest.COLUMNS}
 
 
 def _store_attrs(survey_id: str, name: str, src_url: str, size: int, digest: str, layout, geometry,

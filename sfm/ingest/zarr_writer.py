@@ -64,6 +64,30 @@ PARTIAL = re.compile(r"\.sfm-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}\.partial$")
 UNTAGGED_PARTIAL_AGE_S = 600  # zarr's own temporaries (no writer named): stale after this long
 
 
+PUT_ATTEMPTS = 3  # a PUT that does not answer in time is abandoned and sent again, this many times in all
+PUT_SECONDS_BASE, PUT_BYTES_PER_S = 60.0, 1e6  # a PUT's deadline: base + its size at this slowest rate
+
+
+async def put_with_deadline(store, key: str, value) -> None:
+    """``store.set(key, value)`` (a remote store's PUT), abandoned and sent again when it does not answer
+    within :data:`PUT_SECONDS_BASE` plus its size at :data:`PUT_BYTES_PER_S`: a server that accepts a request
+    and never answers would otherwise hang the ingest for ever. The client's own retries (transient
+    errors, throttling: :func:`sfm.storage.clients.s3fs_options`) run inside each attempt. Every attempt
+    puts the same bytes under the same key, so repeating one is harmless."""
+    import asyncio
+
+    from sfm.errors import SFMError
+
+    seconds = PUT_SECONDS_BASE + len(value) / PUT_BYTES_PER_S
+    for _ in range(PUT_ATTEMPTS):
+        try:
+            return await asyncio.wait_for(store.set(key, value), seconds)
+        except asyncio.TimeoutError:
+            continue
+    raise SFMError(f"the S3 server did not answer a PUT of {key} ({len(value)} bytes) within {seconds:.0f} s, "
+                   f"{PUT_ATTEMPTS} times; check the S3 endpoint (SFM_S3_ENDPOINT_URL) and rerun the ingest")
+
+
 class _AtomicFile:
     """A file that appears at ``path`` whole or not at all: written under a temporary name that names
     this host and process (see :func:`remove_stale_partials`), renamed into place on success."""
@@ -236,7 +260,7 @@ class ShardWriter:
                 encoded.append(self.codec.encode(brick))
                 index[pos] = (offset, len(encoded[-1]))
                 offset += len(encoded[-1])
-        sync(self.store.set(key, Buffer.from_bytes(b"".join([head(), *encoded]))))
+        sync(put_with_deadline(self.store, key, Buffer.from_bytes(b"".join([head(), *encoded]))))
         return offset
 
     @property
@@ -291,6 +315,37 @@ class GroupWriter:
             remove_stale_partials(self._local_root)  # what a killed attempt was writing
         self._copy([k for k in self._keys() if k != "zarr.json"])
 
+    def metadata(self) -> dict[str, str]:
+        """Every ``zarr.json`` made so far (in the order made): what :meth:`from_metadata` needs to write
+        shards and :meth:`finish` the group in another process."""
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.core.sync import sync
+
+        async def collect():
+            keys = [key async for key in self.memory.list()]
+            return {key: (await self.memory.get(key, prototype=default_buffer_prototype())).to_bytes().decode()
+                    for key in keys if key.rsplit("/", 1)[-1] == "zarr.json"}
+
+        return sync(collect())
+
+    @classmethod
+    def from_metadata(cls, store_url: str, metadata: dict[str, str]) -> "GroupWriter":
+        """The writer of a group whose arrays another process created (:meth:`metadata`, :meth:`put`)."""
+        import zarr
+        from zarr.core.buffer.cpu import Buffer
+        from zarr.core.sync import sync
+
+        writer = cls(store_url)
+        writer.memory = zarr.storage.MemoryStore()
+
+        async def fill():
+            for key, text in metadata.items():
+                await writer.memory.set(key, Buffer.from_bytes(text.encode()))
+
+        sync(fill())
+        writer.root = zarr.open_group(writer.memory, mode="r+", zarr_format=3)
+        return writer
+
     def shards(self, name: str) -> ShardWriter:
         return ShardWriter(self.root[name], self.target)
 
@@ -327,7 +382,7 @@ class GroupWriter:
                 if self._local_root is not None:  # our own atomic write: its temporary names this process
                     _write_file_atomically(self._local_root / key, [value.as_buffer_like()])
                 else:
-                    await self.target.set(key, value)
+                    await put_with_deadline(self.target, key, value)
 
             await asyncio.gather(*(one(key) for key in keys))
 

@@ -4,6 +4,8 @@
   create-if-absent, zarr stores, uploads and downloads). ``from sfm import storage`` gives its
   functions, e.g. ``storage.read_bytes(url)``.
 - :mod:`sfm.storage.ranged_get`: the loader's blocking ranged GETs into a caller's buffer.
+- :mod:`sfm.storage.ranged_file`: one file's bytes by offset, local (preadv, mmap) or S3 (those ranged
+  GETs, retried, fetched ahead): what ingest reads a SEG-Y through, without a local copy.
 - :mod:`sfm.storage.security`: redaction and endpoint / name rules (pure, no I/O).
 - :mod:`sfm.storage.iam`: the least-privilege IAM policy per component.
 

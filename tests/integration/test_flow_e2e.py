@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support.flowrun import client_view, run_flow
 
-EXPECTED_STEPS = {"start", "ingest", "join", "launch", "pretrain", "evaluate", "register", "end"}
+EXPECTED_STEPS = {"start", "scan", "plan_ingest", "split_parts", "ingest", "join", "launch", "pretrain", "evaluate", "register", "end"}
 
 
 def _check_pipeline(view: dict) -> None:

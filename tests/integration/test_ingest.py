@@ -344,13 +344,16 @@ def test_codec_is_configurable(tmp_path, codec, via):
 
 def test_flow_defaults_detect_byte_locations_and_write_128_bricks(tmp_path):
     from sfm.config import JobConfig
-    from sfm.pipeline import ingest
+    from sfm import pipeline
 
     cfg = JobConfig.from_toml()  # sfm/default.toml, as the flow's ingest step reads it
     assert (cfg.ingest.iline_byte, cfg.ingest.xline_byte, cfg.ingest.chunk) == (0, 0, 128)
     amplitude = cases.volume((6, 140, 20), seed=4)
     path = cases.write(tmp_path / "bytes-9.sgy", amplitude, iline_byte=9, xline_byte=21)
-    ref = ingest({"url": str(path), "held_out": False}, str(tmp_path / "root"), cfg)
+    root = str(tmp_path / "root")  # the flow's ingest steps, one after the other
+    scans = pipeline.plan_ingest([{"url": str(path), "held_out": False}], root, cfg, "run-1")
+    writes = pipeline.plan_writes([pipeline.scan_part(s, cfg) for s in scans], root, cfg)
+    [ref] = pipeline.publish([pipeline.ingest(w, cfg) for w in writes], root)
     attrs = read_store_attrs(ref["store_url"])
     assert (attrs["iline_byte"], attrs["xline_byte"], attrs["byte_locations"]) == (9, 21, "detected")
     assert attrs["store"]["bricks"] == [6, 128, 20]  # 128^3, clipped to the survey

@@ -34,7 +34,8 @@ METAFLOW_ROOT = f"s3://{BUCKET}/metaflow"
 TEST_SESSION_TOKEN = "sfmtestsessiontoken0001IQoJb3JpZ2luX2VjEXAMPLE"
 SECRETS = {"access key id": TEST_ACCESS_KEY, "secret key": TEST_SECRET_KEY, "session token": TEST_SESSION_TOKEN}
 # Which IAM components each flow step runs as (the start step writes the demo surveys to landing/).
-STEP_COMPONENTS = {"start": ("ingest", "demo"), "ingest": ("ingest",), "join": ("ingest",), "launch": (),
+STEP_COMPONENTS = {"start": ("ingest", "demo"), "scan": ("ingest",), "plan_ingest": ("ingest",), "split_parts": (),
+                   "ingest": ("ingest",), "join": ("ingest",), "launch": (),
                    "pretrain": ("train",), "evaluate": ("train",), "register": ("registry",), "end": ()}
 
 _CLIENT_DUMP = r"""

@@ -75,3 +75,27 @@ def fast_job_toml(**sections: dict) -> str:
     for name, values in sections.items():
         merged.setdefault(name, {}).update(values)
     return toml_text(merged)
+
+
+_TASKS_SCRIPT = r"""
+import json, sys
+from metaflow import Run, namespace
+namespace(None)
+out = []
+for task in Run(sys.argv[1])[sys.argv[2]]:
+    data = task.data if task.successful else None
+    out.append({"id": task.id, "successful": task.successful, "origin": task.origin_pathspec,
+                "part": getattr(data, "part", None) if data is not None else None})
+print("CLIENT-JSON " + json.dumps(out, default=str))
+"""
+
+
+def task_view(pathspec: str, env: dict[str, str], step: str, cwd: str | None = None) -> list[dict]:
+    """The tasks of ``step`` in run ``pathspec``: id, successful, origin (the pathspec a resumed run cloned
+    the task from; None when it ran) and, for a successful ingest task, its ``part`` artifact."""
+    proc = subprocess.run([sys.executable, "-c", _TASKS_SCRIPT, pathspec, step], env={**os.environ, **env},
+                          capture_output=True, text=True, cwd=cwd, timeout=300)
+    for line in proc.stdout.splitlines():
+        if line.startswith("CLIENT-JSON "):
+            return json.loads(line[len("CLIENT-JSON "):])
+    raise AssertionError(f"client read failed:\n{proc.stdout}\n{proc.stderr}")

@@ -146,6 +146,23 @@ def strip_trace_header_extensions(src: Path, dst: Path) -> Path:
     return Path(dst)
 
 
+def store_digests(root: Path, without_source_url: bool = False) -> dict[str, str]:
+    """Every file of a local store -> sha256; ``without_source_url``: the root zarr.json's source_url
+    blanked (the one attribute that names where the SEG-Y was read from)."""
+    import hashlib
+    import json
+
+    out = {}
+    for path in sorted(p for p in Path(root).rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        if without_source_url and path == Path(root) / "zarr.json":
+            meta = json.loads(data)
+            assert meta["attributes"].pop("source_url")
+            data = json.dumps(meta, sort_keys=True).encode()
+        out[str(path.relative_to(root))] = hashlib.sha256(data).hexdigest()
+    return out
+
+
 class Backend:
     """Where sources and the data root live: a local folder, or a bucket on the loopback S3 server."""
 
