@@ -18,7 +18,8 @@ from sfm import storage
 from sfm.config import IngestConfig
 from sfm.ingest.contracts import validate
 from sfm.errors import SFMError
-from sfm.ingest.segy import SegyLayout, SurveyGeometry, cdp_coordinates
+from sfm.ingest.segy import SegyLayout
+from sfm.ingest.segy_geometry import SurveyGeometry, cdp_coordinates
 from sfm.ingest.zarr_writer import GroupWriter
 from sfm.ingest.segy_traces import TraceReader
 from sfm.ingest.options import (AMPLITUDE_CODEC, FLOAT16_MAX, INT8_MAX, PERCENTILE_TRACES, PERCENTILES,

@@ -39,8 +39,8 @@ from sfm.ingest.cube_writer import (Columns, _Plan, finish_store, moments_from_b
                                     prepare_store, write_columns)
 from sfm.ingest.options import ingest_threads
 from sfm.ingest import segy
-from sfm.ingest.segy import (build_geometry, checksum_fields, combine_pieces, header_fields_needed, read_layout,
-                             scan_range)
+from sfm.ingest.segy import checksum_fields, combine_pieces, header_fields_needed, read_layout, scan_range
+from sfm.ingest.segy_geometry import build_geometry
 from sfm.ingest.zarr_writer import GroupWriter
 
 

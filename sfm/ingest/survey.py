@@ -35,8 +35,9 @@ from sfm.config import IngestConfig
 from sfm.ingest import manifest
 from sfm.ingest.contracts import read_store_attrs
 from sfm.errors import SFMError
-from sfm.ingest.segy import (DIGEST_ALGORITHM, build_geometry, checksum_fields, checksum_text,
-                             header_fields_needed, read_layout, scan_file, text_header)
+from sfm.ingest.segy import (DIGEST_ALGORITHM, checksum_fields, checksum_text, header_fields_needed, read_layout,
+                             scan_file, text_header)
+from sfm.ingest.segy_geometry import build_geometry
 from sfm.ingest.options import DEFAULT_CODEC, STORE_VERSION, ingest_threads  # noqa: F401  (DEFAULT_CODEC: the CLI's)
 from sfm.ingest.cube_writer import write_store
 
