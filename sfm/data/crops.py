@@ -124,7 +124,7 @@ class CropSampler:
             fetches its own bricks. Needs :meth:`plan_batches` (the dataset calls it).
         dtype: "float32" or "float16": the crops' value type, normalised; "int8" (int8 stores only):
             the stored values, dead traces :data:`sfm.data.int8_batch.DEAD`, normalised on the device
-            from :meth:`affine` (:class:`sfm.data.int8_batch.Int8Batch`).
+            from each survey's :meth:`sfm.data.survey.SurveyInfo.affine` (:class:`sfm.data.int8_batch.Int8Batch`).
         slab: ``(start, stop)``: read and return only rows ``[start, stop)`` of axis 0 of each crop
             as delivered (after flips and swap), [1, stop - start, H, W], fetching only the bricks
             those rows need. The crops themselves (``locate``) do not change, so the context-parallel
@@ -319,7 +319,10 @@ class CropSampler:
     def submit(self, index: int, out: np.ndarray) -> list[Future]:
         """Start reading sample ``index`` (its slab, if set) into ``out`` [1, *shape] (or ``shape``)
         float32; one future per tile."""
-        c = self.locate(index)
+        return self.submit_crop(self.locate(index), out)
+
+    def submit_crop(self, c: Crop, out: np.ndarray) -> list[Future]:
+        """:meth:`submit` for a sample already located (``c = locate(index)``)."""
         if self.slab is not None:
             c = c.slab(*self.slab)
         s = self.surveys[c.survey]
@@ -391,10 +394,6 @@ class CropSampler:
             np.copyto(dst, DEAD, where=~s.trace_mask[i0 + a0 : i0 + a1, j0 + b0 : j0 + b1, None])
         elif not full:
             dst *= s.trace_mask[i0 + a0 : i0 + a1, j0 + b0 : j0 + b1, None]
-
-    def affine(self, index: int) -> tuple[float, float, float, float]:
-        """How sample ``index``'s int8 values normalise (:meth:`sfm.data.survey.SurveyInfo.affine`)."""
-        return self.surveys[self.locate(index).survey].affine()
 
     def read(self, index: int, out: np.ndarray | None = None) -> np.ndarray:
         """Sample ``index`` as [1, *shape] ([1, D, H, W] without a slab) of ``dtype``, normalised."""

@@ -98,10 +98,11 @@ class CropDataset(IterableDataset):
         else:
             out = torch.from_numpy(buffers.take())
         arr = out.numpy()
-        indices = self.sample_indices(batch)
-        futures = [f for n, i in enumerate(indices) for f in self.sampler.submit(i, arr[n])]
+        crops = [self.sampler.locate(i) for i in self.sample_indices(batch)]
+        futures = [f for n, c in enumerate(crops) for f in self.sampler.submit_crop(c, arr[n])]
         if self.sampler.dtype == np.int8:
-            out = Int8Batch(out, torch.tensor([self.sampler.affine(i) for i in indices], dtype=torch.float32))
+            affine = [self.sampler.surveys[c.survey].affine() for c in crops]
+            out = Int8Batch(out, torch.tensor(affine, dtype=torch.float32))
         return out, futures
 
     def __iter__(self) -> Iterator[torch.Tensor]:
