@@ -69,8 +69,9 @@ def split(count: int, parts: int) -> list[tuple[int, int]]:
 def plan_scans(url: str, key: str, data_root: str, cfg: IngestConfig, parts: int = 0) -> list[dict[str, Any]]:
     """The scan parts of one survey: whole :data:`~sfm.ingest.segy.PIECE_BYTES` pieces of the file each, at
     most ``part_count`` of them. Each is a small dict for :func:`scan_part`."""
-    layout = read_layout(url, cfg.endian)  # refuses a file that is not SEG-Y before any task starts
-    size = int(layout.data_offset + layout.n_traces * layout.trace_bytes)
+    from sfm.ingest.survey import source_size
+
+    size = source_size(read_layout(url, cfg.endian))  # refuses a file that is not SEG-Y before any task starts
     n_parts = part_count(size, cfg, parts)
     piece = segy.PIECE_BYTES
     runs = split(-(-size // piece), n_parts)

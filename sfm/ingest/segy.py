@@ -262,8 +262,6 @@ def scan_range(layout: SegyLayout, fields: list[tuple[int, int]], start: int, st
         values: {(byte, width): int32 [t1 - t0]} for the traces t0 <= t < t1 whose headers begin in the range
             (:func:`traces_in_range`), signed integers in the file's byte order.
     """
-    import blake3
-
     if start % PIECE_BYTES:
         raise ValueError(f"scan ranges start on a piece boundary ({PIECE_BYTES} bytes), not at {start}")
     own = source is None
@@ -293,20 +291,31 @@ def scan_range(layout: SegyLayout, fields: list[tuple[int, int]], start: int, st
             for byte, width in fields:
                 values[(byte, width)][t - t0] = raw[byte - 1 : byte - 1 + width].view(f"{order}i{width}")[0]
 
-    pieces: list[str] = []
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(2, workers or 2))) as pool:
-            for piece in range(start, stop, PIECE_BYTES):
-                hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-                for at, view in source.windows(piece, min(stop, piece + PIECE_BYTES), SCAN_BLOCK_BYTES):
-                    headers = pool.submit(headers_in, at, view)
-                    hasher.update(view)
-                    headers.result()
-                pieces.append(hasher.hexdigest())
+            pieces = _piece_digests(source, start, stop, lambda at, view: pool.submit(headers_in, at, view))
     finally:
         if own:
             source.close()
     return pieces, values
+
+
+def _piece_digests(source: RangedFile, start: int, stop: int, beside=None) -> list[str]:
+    """Hex BLAKE3 of each :data:`PIECE_BYTES` piece of bytes ``[start, stop)`` of ``source``, in order (none
+    for an empty range: :func:`combine_pieces` of none is BLAKE3 of no bytes). ``beside(at, window)``, if
+    given, starts work on each window and returns its future, awaited once this thread has hashed it."""
+    import blake3
+
+    pieces = []
+    for piece in range(start, stop, PIECE_BYTES):
+        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        for at, view in source.windows(piece, min(stop, piece + PIECE_BYTES), SCAN_BLOCK_BYTES):
+            job = beside(at, view) if beside is not None else None
+            hasher.update(view)
+            if job is not None:
+                job.result()
+        pieces.append(hasher.hexdigest())
+    return pieces
 
 
 def traces_in_range(layout: SegyLayout, start: int, stop: int) -> tuple[int, int]:
@@ -336,16 +345,8 @@ def digest_algorithm(size: int) -> str:
 
 def file_digest(path: str) -> str:
     """The content digest of any file, local or ``s3://`` (the same as :func:`scan_file` gives)."""
-    import blake3
-
-    pieces = []
     with open_ranged(path) as source:  # read in windows: memory stays at a few whatever the file size
-        for piece in range(0, max(1, source.size), PIECE_BYTES):
-            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-            for _, view in source.windows(piece, min(source.size, piece + PIECE_BYTES), SCAN_BLOCK_BYTES):
-                hasher.update(view)
-            pieces.append(hasher.hexdigest())
-    return combine_pieces(pieces)
+        return combine_pieces(_piece_digests(source, 0, source.size))
 
 
 def checksum_fields(size: int, digest: str) -> dict[str, str]:
