@@ -39,7 +39,7 @@ from sfm.ingest.cube_writer import (Columns, _Plan, finish_store, moments_from_b
                                     prepare_store, write_columns)
 from sfm.ingest.options import ingest_threads
 from sfm.ingest import segy
-from sfm.ingest.segy import checksum_fields, combine_pieces, header_fields_needed, read_layout, scan_range
+from sfm.ingest.segy import combine_pieces, header_fields_needed, read_layout, scan_range
 from sfm.ingest.segy_geometry import build_geometry
 from sfm.ingest.zarr_writer import GroupWriter
 
@@ -128,7 +128,6 @@ def plan_writes(scans: list[dict[str, Any]], data_root: str, cfg: IngestConfig) 
     geometry = build_geometry(layout, headers, il_byte, xl_byte, opts.max_sparsity)
     store_url = survey_store_url(data_root, survey_id)
     attrs = _store_attrs(survey_id, survey_name(url), url, first["size"], digest, layout, geometry, opts)
-    attrs.update(checksum_fields(first["size"], digest))
     group, plan = prepare_store(store_url, layout, geometry, headers, opts)
     cells = geometry.cell_traces()
     b_il = plan.bricks[0]

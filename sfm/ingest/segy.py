@@ -355,12 +355,6 @@ def checksum_fields(size: int, digest: str) -> dict[str, str]:
     return {"checksum": f"{algorithm}:{digest}", "checksum_algorithm": algorithm}
 
 
-def checksum_text(digest: str) -> str:
-    """How stores and manifest rows record the digest of a file of one piece: ``"blake3:<64 hex digits>"``
-    (:func:`checksum_fields` for any size)."""
-    return f"{DIGEST_ALGORITHM}:{digest}"
-
-
 def header_fields_needed(iline_byte: int | None, xline_byte: int | None) -> list[tuple[int, int]]:
     """Trace-header fields :func:`build_geometry` and :func:`cdp_coordinates` read."""
     pairs = [(iline_byte, xline_byte)] if iline_byte and xline_byte else COMMON_BYTE_PAIRS

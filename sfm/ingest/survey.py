@@ -35,8 +35,7 @@ from sfm.config import IngestConfig
 from sfm.ingest import manifest
 from sfm.ingest.contracts import read_store_attrs
 from sfm.errors import SFMError
-from sfm.ingest.segy import (DIGEST_ALGORITHM, checksum_fields, checksum_text, header_fields_needed, read_layout,
-                             scan_file, text_header)
+from sfm.ingest.segy import checksum_fields, header_fields_needed, read_layout, scan_file, text_header
 from sfm.ingest.segy_geometry import build_geometry
 from sfm.ingest.options import DEFAULT_CODEC, STORE_VERSION, ingest_threads  # noqa: F401  (DEFAULT_CODEC: the CLI's)
 from sfm.ingest.cube_writer import write_store
@@ -99,7 +98,6 @@ def ingest_survey(src_url: str, data_root: str, config: IngestConfig | None = No
     store_url = survey_store_url(data_root, survey_id)
     size = source_size(layout)
     attrs = _store_attrs(survey_id, name, src_url, size, digest, layout, geometry, opts)
-    attrs.update(checksum_fields(size, digest))
     t_write = time.perf_counter()
     timings["geometry_s"] = t_write - t_scan - timings["scan_s"]
     try:
@@ -140,7 +138,7 @@ def _store_attrs(survey_id: str, name: str, src_url: str, size: int, digest: str
     text, encoding = text_header(layout)
     return {
         "sfm_store_version": STORE_VERSION, "survey_id": survey_id, "name": name, "source_url": src_url,
-        "source_size": size, "checksum": checksum_text(digest), "checksum_algorithm": DIGEST_ALGORITHM,
+        "source_size": size, **checksum_fields(size, digest),
         "iline_byte": geometry.iline_byte, "xline_byte": geometry.xline_byte,
         "byte_locations": geometry.extra["byte_locations"],
         "byte_pairs_rejected": geometry.extra["byte_pairs_rejected"],
