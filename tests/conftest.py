@@ -137,3 +137,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "integration" in Path(str(item.fspath)).parts:
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def mdio_stores(tmp_path_factory, segy_dir):
+    """Stores written by the real MDIO library (tests/support/mdio_env.py) and the SEG-Y they came from:
+    ``f3`` (the shared F3 crop, time, MDIO's 128^3 chunks) and ``holes`` (a generated survey with 30
+    traces missing, depth, 16 x 16 x 32 chunks so reads cross chunks). {name: (mdio path, segy path)}."""
+    import numpy as np
+    from support import ingest_cases as cases
+    from support.mdio_env import segy_to_mdio
+
+    root = tmp_path_factory.mktemp("mdio")
+    holes = cases.write(root / "holes.sgy", cases.volume((40, 36, 70), seed=11))
+    keep = np.ones(40 * 36, dtype=bool)
+    keep[np.random.default_rng(3).choice(keep.size, 30, replace=False)] = False
+    cases.drop_traces(holes, 70, keep)
+    return {
+        "f3": (segy_to_mdio(segy_dir / "f3.sgy", root / "f3.mdio"), segy_dir / "f3.sgy"),
+        "holes": (segy_to_mdio(holes, root / "holes.mdio", domain="depth", chunks=(16, 16, 32)), holes),
+    }
