@@ -43,6 +43,9 @@ class IngestConfig:
     # file and writes whole shard rows, so a survey has at most that many parts of each kind
     parts: int = 0
     part_gb: float = 64.0
+    # MDIO sources (read in place, never copied): GB of amplitude chunks the statistics read; a larger
+    # store is measured over evenly spaced chunk columns up to this much (the fraction is recorded)
+    mdio_stats_gb: float = 4.0
 
     def check(self) -> None:
         """Every setting valid, or SFMError naming it and the fix."""
@@ -62,6 +65,9 @@ class IngestConfig:
             raise SFMError(f"ingest.parts = {self.parts} is not a number of tasks; give 0 (by size) or more")
         if not self.part_gb > 0:
             raise SFMError(f"ingest.part_gb = {self.part_gb} must be positive (GB of SEG-Y per task)")
+        if not self.mdio_stats_gb > 0:
+            raise SFMError(f"ingest.mdio_stats_gb = {self.mdio_stats_gb} must be positive (GB of an MDIO store's "
+                           "amplitude read for its statistics)")
         for byte in (self.iline_byte, self.xline_byte):
             if byte and not 1 <= int(byte) <= 237:
                 raise SFMError(f"byte location {byte} is outside the 240-byte trace header; use 1..237")

@@ -44,9 +44,11 @@ def plan_surveys(surveys: str, held_out: str, data_root: str, synth: SynthConfig
                  ) -> list[dict[str, Any]]:
     """The surveys to ingest, each {"url", "held_out"}; generates ``synth``'s surveys when none are named.
 
-    Every named source is checked now (exists, reads as SEG-Y), so a bad entry fails the run before
-    anything is written, with a one-line error naming it.
+    Every named source is checked now (exists, reads as SEG-Y, or is an MDIO v1 store sfm can read in
+    place: ``kind`` "mdio"), so a bad entry fails the run before anything is written, with a one-line
+    error naming it.
     """
+    from sfm.ingest.mdio_source import inspect, is_mdio
     from sfm.ingest.segy import BINARY_HEADER_BYTES, TEXT_HEADER_BYTES, layout_from_header
 
     train_urls, held_urls = storage.split_urls(surveys), storage.split_urls(held_out)
@@ -66,6 +68,10 @@ def plan_surveys(surveys: str, held_out: str, data_root: str, synth: SynthConfig
     for url, held in [(u, False) for u in train_urls] + [(u, True) for u in held_urls]:
         url = storage.normalize(url)
         try:
+            if is_mdio(url):  # read in place; refused now if sfm cannot train on it as it is
+                inspect(url)
+                plan.append({"url": url.rstrip("/"), "held_out": held, "kind": "mdio"})
+                continue
             head, size = storage.read_head(url, TEXT_HEADER_BYTES + BINARY_HEADER_BYTES)
             layout_from_header(url, head, size)
         except SFMError as err:
@@ -109,7 +115,8 @@ def plan_ingest(plan: list[dict[str, Any]], data_root: str, cfg: JobConfig, run_
         raise SFMError(f"--ingest-parts {parts} is not a number of tasks; give 0 (by size, ingest.part_gb) or more")
     scans = []
     for index, source in enumerate(plan):
-        for scan in plan_scans(source["url"], f"{run_key}-{index}", data_root, cfg.ingest, parts):
+        for scan in plan_scans(source["url"], f"{run_key}-{index}", data_root, cfg.ingest, parts,
+                               source.get("kind", "segy")):
             scans.append({**scan, "survey": index, "held_out": bool(source["held_out"])})
     return scans
 

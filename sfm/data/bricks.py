@@ -10,7 +10,7 @@ buffer and one pass from there into the destination:
   index codecs ``bytes`` little-endian + ``crc32c``);
 - brick codecs ``bytes`` (little-endian) followed by at most one compressor that numcodecs decodes
   from its own header (blosc, zstd, gzip);
-- float32, float16 or int8 values.
+- float32, float16 or int8 values; with a NaN fill value (MDIO stores), NaN and inf read as 0.
 
 Bricks that lie next to each other in a shard (consecutive along the sample axis, as the ingest writes
 them) are fetched by one ranged GET and decoded from their slices of it. The CPU time of each phase
@@ -59,6 +59,10 @@ class BrickReader:
         self.compressor = compressor
         self.dtype = np.dtype(dtype)
         self.fill_value = float(amp.metadata.fill_value)
+        # NaN fill (MDIO stores): dead traces and never-written bricks are NaN there; they read as 0
+        self.nan_holes = not np.isfinite(self.fill_value)
+        if self.nan_holes:
+            self.fill_value = 0.0
         self.per_shard = None if shard_shape is None else tuple(s // b for s, b in zip(self.shard_shape, self.bricks))
         self._local = threading.local()  # per thread: decoder, brick buffer, encoded-bytes buffer
         self._indexes: dict[tuple[int, ...], np.ndarray | None] = {}  # shard -> index (see _shard_index)
@@ -258,7 +262,16 @@ class BrickReader:
             local.buffer.reshape(-1).view(np.uint8)[:] = encoded
         else:
             local.decoder.decode(encoded, out=local.buffer)
+        if self.nan_holes:
+            zero_nonfinite(local.buffer)
         return local.buffer
+
+
+def zero_nonfinite(values: np.ndarray) -> np.ndarray:
+    """``values`` with NaN and inf replaced by 0, in place (float arrays; others are returned as they are)."""
+    if values.dtype.kind == "f":
+        np.nan_to_num(values, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+    return values
 
 
 def _little(codec) -> bool:

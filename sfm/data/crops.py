@@ -24,7 +24,7 @@ from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
-from sfm.data.bricks import BrickReader
+from sfm.data.bricks import BrickReader, zero_nonfinite
 from sfm.data.int8_batch import DEAD
 from sfm.config import ALIGNMENTS, AUGMENTATIONS, BATCH_DTYPES
 from sfm.errors import SFMError
@@ -32,7 +32,7 @@ from sfm.errors import SFMError
 from sfm.data.region_pool import RegionPool, region_bytes
 from sfm.data.regions import Region, RegionPlan, RegionSettings
 from sfm.data.store import open_survey_store, ResilientStore
-from sfm.data.survey import SurveyInfo, read_survey_info
+from sfm.data.survey import SurveyInfo, open_amplitude, read_survey_info
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +178,9 @@ class CropSampler:
         self._arrays: list[Any] = []
         infos = []
         for url in store_urls:
-            store = open_survey_store(url, client, retry_seconds)
-            info, amp = read_survey_info(url, store)
+            info, amp = read_survey_info(url, open_survey_store(url, client, retry_seconds), client, retry_seconds)
             infos.append(info)
-            self._stores.append(store)
+            self._stores.append(amp.store_path.store)  # where the amplitude is read (an MDIO store, for a reference)
             self._arrays.append(amp)
         fits = [all(n >= c for n, c in zip(s.shape, self.crop)) for s in infos]
         if not any(fits):
@@ -190,6 +189,11 @@ class CropSampler:
         self.surveys = [s for s, ok in zip(infos, fits) if ok]
         if self.dtype == np.int8:
             other = [s for s in self.surveys if s.stored_dtype != "int8"]
+            mdio = [s for s in other if s.source_kind == "mdio"]
+            if mdio:
+                raise SFMError(f"data.batch_dtype = \"int8\" delivers stored int8 values, but survey {mdio[0].name} "
+                               f"({mdio[0].store_url}) is an MDIO store read in place ({mdio[0].stored_dtype}); set "
+                               "data.batch_dtype to float16, or export it to SEG-Y and ingest that with --dtype int8")
             if other:
                 raise SFMError(f"data.batch_dtype = \"int8\" delivers stored int8 values, but survey store "
                                f"{other[0].store_url} holds {other[0].stored_dtype}; ingest with --dtype int8 or "
@@ -232,11 +236,13 @@ class CropSampler:
             for s in self.surveys:
                 store = open_survey_store(s.store_url, self.client, self.retry_seconds)
                 try:
-                    self._arrays.append(zarr.open_group(store, mode="r")["amplitude"])
+                    group = zarr.open_group(store, mode="r")
+                    amp = open_amplitude(dict(group.attrs), group, self.client, self.retry_seconds)
                 except Exception as err:
                     raise SFMError(f"cannot reopen survey store {s.store_url}: {type(err).__name__}: {err}; check "
                                    "the S3 endpoint is reachable") from err
-                self._stores.append(store)
+                self._arrays.append(amp)
+                self._stores.append(amp.store_path.store)
             self._readers = self._brick_readers()
             self._pool = None
             self._pid = os.getpid()
@@ -375,7 +381,8 @@ class CropSampler:
             if reader is not None:
                 reader.read_into(region, dst, fill)
             else:
-                fill(self._arrays[survey][region], dst)
+                values = self._arrays[survey][region]
+                fill(zero_nonfinite(values) if s.source_kind == "mdio" else values, dst)  # MDIO: NaN at holes
         except Exception as err:
             axes = ("inline", "crossline", "sample")
             where = ", ".join(f"{name} {r.start}:{r.stop}" for name, r in zip(axes, region))

@@ -46,6 +46,7 @@ class SurveyInfo:
 
     version: str = ""  # what tells two ingests at one URL apart (source digest and store layout)
     stored_dtype: str = "float32"  # the store's value type (float32, float16 or int8)
+    source_kind: str = "segy"  # segy: the store's own amplitude; mdio: an MDIO store's, read in place
 
     @property
     def identity(self) -> str:
@@ -122,16 +123,37 @@ class CropOrigins:
         return i * self.step[0], j * self.step[1]
 
 
-def read_survey_info(store_url: str, store=None) -> tuple[SurveyInfo, Any]:
-    """The survey's :class:`SurveyInfo` and its opened ``amplitude`` zarr array."""
+def open_amplitude(attrs: dict, group, client: str = "auto", retry_seconds: float = 120.0):
+    """The amplitude zarr array of a survey store's ``group`` (root attributes ``attrs``): its own
+    ``amplitude``, or for an MDIO reference (``source_kind`` "mdio") the variable of ``amplitude_url``,
+    opened through :func:`open_survey_store` (read where it is)."""
     import zarr
 
-    store = store if store is not None else open_survey_store(store_url)
+    if attrs.get("source_kind") != "mdio":
+        return group["amplitude"]
+    url = attrs["amplitude_url"]
+    try:
+        return zarr.open_group(open_survey_store(url, client, retry_seconds), mode="r")[attrs["variable"]]
+    except (FileNotFoundError, KeyError) as err:
+        raise SFMError(f"MDIO store {url} (registered as survey {attrs.get('survey_id')}) is gone or has no "
+                       f"{attrs.get('variable')!r}; restore it, or register the store it moved to with `sfm ingest`"
+                       ) from err
+
+
+def read_survey_info(store_url: str, store=None, client: str = "auto", retry_seconds: float = 120.0
+                     ) -> tuple[SurveyInfo, Any]:
+    """The survey's :class:`SurveyInfo` and its opened amplitude zarr array (of the MDIO store an MDIO
+    reference names: :func:`open_amplitude`)."""
+    import zarr
+
+    store = store if store is not None else open_survey_store(store_url, client, retry_seconds)
     try:
         group = zarr.open_group(store, mode="r")
         attrs = dict(group.attrs)
-        amp = group["amplitude"]
         mask = np.asarray(group["trace_mask"][...], dtype=bool)
+        amp = open_amplitude(attrs, group, client, retry_seconds)
+    except SFMError:
+        raise
     except (FileNotFoundError, KeyError) as err:
         raise SFMError(f"survey store {store_url} does not exist or is incomplete ({type(err).__name__}: {err}); "
                        "ingest the survey first") from err
@@ -144,6 +166,9 @@ def read_survey_info(store_url: str, store=None) -> tuple[SurveyInfo, Any]:
     stats = attrs.get("stats")
     if not stats or "percentiles" not in stats:
         raise SFMError(f"survey store {store_url} has no statistics in its attributes; re-ingest the survey")
+    if tuple(amp.shape[:2]) != mask.shape:
+        raise SFMError(f"survey store {store_url}: its amplitude {list(amp.shape)} does not match its trace_mask "
+                       f"{list(mask.shape)} (the MDIO store changed since it was registered?); register it again")
     table = np.zeros((mask.shape[0] + 1, mask.shape[1] + 1), dtype=np.int32 if mask.size < 2**31 else np.int64)
     table[1:, 1:] = mask.cumsum(0, dtype=table.dtype).cumsum(1, dtype=table.dtype)
     pct = stats["percentiles"]
@@ -157,5 +182,6 @@ def read_survey_info(store_url: str, store=None) -> tuple[SurveyInfo, Any]:
         live_cells=table, clip=(float(pct["0.1"]), float(pct["99.9"])), mean=float(stats["mean"]),
         std=float(stats["std"]) or 1.0, scale=scale, offset=offset,
         version=f"{attrs.get('checksum', '')}|{attrs.get('store', {})}", stored_dtype=str(np.dtype(amp.dtype)),
+        source_kind=str(attrs.get("source_kind", "segy")),
     )
     return info, amp

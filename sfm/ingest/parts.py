@@ -37,6 +37,7 @@ from sfm.errors import SFMError
 from sfm.ingest import manifest
 from sfm.ingest.cube_writer import (Columns, _Plan, finish_store, moments_from_bytes, moments_to_bytes,
                                     prepare_store, write_columns)
+from sfm.ingest.mdio_register import publish_from_staging, scan_to_staging
 from sfm.ingest.options import ingest_threads
 from sfm.ingest import segy
 from sfm.ingest.segy import combine_pieces, header_fields_needed, read_layout, scan_range
@@ -66,10 +67,16 @@ def split(count: int, parts: int) -> list[tuple[int, int]]:
 # scan
 
 
-def plan_scans(url: str, key: str, data_root: str, cfg: IngestConfig, parts: int = 0) -> list[dict[str, Any]]:
+def plan_scans(url: str, key: str, data_root: str, cfg: IngestConfig, parts: int = 0, kind: str = "segy"
+               ) -> list[dict[str, Any]]:
     """The scan parts of one survey: whole :data:`~sfm.ingest.segy.PIECE_BYTES` pieces of the file each, at
-    most ``part_count`` of them. Each is a small dict for :func:`scan_part`."""
+    most ``part_count`` of them. Each is a small dict for :func:`scan_part`. An MDIO store (``kind`` "mdio")
+    has one scan part, its identity and statistics, and nothing to write."""
     from sfm.ingest.survey import source_size
+
+    if kind == "mdio":
+        return [{"url": url, "key": key, "staging": staging_url(data_root, key), "kind": "mdio", "scan_part": 0,
+                 "scan_parts": 1}]
 
     size = source_size(read_layout(url, cfg.endian))  # refuses a file that is not SEG-Y before any task starts
     n_parts = part_count(size, cfg, parts)
@@ -82,7 +89,10 @@ def plan_scans(url: str, key: str, data_root: str, cfg: IngestConfig, parts: int
 
 def scan_part(scan: dict[str, Any], cfg: IngestConfig) -> dict[str, Any]:
     """Digest the pieces of ``scan``'s byte range and keep the header fields of its traces, into
-    ``<staging>/scan-<k>.npz``; returns ``scan`` with the pieces' digests."""
+    ``<staging>/scan-<k>.npz``; returns ``scan`` with the pieces' digests (an MDIO store's: with its
+    survey_id, :func:`sfm.ingest.mdio_register.scan_to_staging`)."""
+    if scan.get("kind") == "mdio":
+        return scan_to_staging(scan, cfg)
     layout = read_layout(scan["url"], cfg.endian)
     fields = header_fields_needed(cfg.iline_byte or None, cfg.xline_byte or None)
     pieces, values = scan_range(layout, fields, scan["start"], scan["stop"], ingest_threads(cfg))
@@ -116,6 +126,9 @@ def plan_writes(scans: list[dict[str, Any]], data_root: str, cfg: IngestConfig) 
     if [s["scan_part"] for s in scans] != list(range(first["scan_parts"])):
         raise SFMError(f"{first['url']}: scan parts {[s['scan_part'] for s in scans]} of {first['scan_parts']} "
                        "arrived; rerun the flow with `resume` to scan the missing ones")
+    if first.get("kind") == "mdio":  # read in place: one part that writes nothing; the publish step registers
+        return [{"url": first["url"], "staging": first["staging"], "survey_id": first["survey_id"], "kind": "mdio",
+                 "part": 0, "write_parts": 1, "rows": None}]
     digest = combine_pieces([p for s in scans for p in s["pieces"]])
     survey_id = digest[:16]
     base = {"url": first["url"], "staging": first["staging"], "survey_id": survey_id}
@@ -173,6 +186,10 @@ def publish_parts(parts: list[dict[str, Any]], data_root: str) -> dict[str, Any]
     from sfm.ingest.survey import manifest_row
 
     first = parts[0]
+    if first.get("kind") == "mdio":
+        row = publish_from_staging(first, data_root)
+        _remove_staging(first["staging"])
+        return row
     if first["rows"] is None:
         return {**manifest.get_row(data_root, first["survey_id"]), "status": "exists"}
     survey = _survey(first["staging"])

@@ -39,6 +39,8 @@ from sfm.ingest.segy import checksum_fields, header_fields_needed, read_layout, 
 from sfm.ingest.segy_geometry import build_geometry
 from sfm.ingest.options import DEFAULT_CODEC, STORE_VERSION, ingest_threads  # noqa: F401  (DEFAULT_CODEC: the CLI's)
 from sfm.ingest.cube_writer import write_store
+from sfm.ingest.mdio_register import register_mdio
+from sfm.ingest.mdio_source import is_mdio
 
 
 def survey_store_url(data_root: str, survey_id: str) -> str:
@@ -63,7 +65,8 @@ def survey_name(url: str) -> str:
 
 def ingest_survey(src_url: str, data_root: str, config: IngestConfig | None = None, *, progress: bool = False,
                   **settings: Any) -> dict[str, Any]:
-    """Ingest one SEG-Y file into ``<data_root>/surveys/<survey_id>.zarr`` and publish it.
+    """Ingest one SEG-Y file into ``<data_root>/surveys/<survey_id>.zarr`` and publish it (an MDIO store is
+    registered instead, read in place: :func:`sfm.ingest.mdio_register.register_mdio`).
 
     Returns the manifest row plus ``status`` ("ingested" or "exists"), ``message``, ``seconds``,
     ``mb_per_s`` and ``details`` (byte locations and how they were found, byte order, holes, ...).
@@ -79,6 +82,8 @@ def ingest_survey(src_url: str, data_root: str, config: IngestConfig | None = No
     settings = {k: (0 if v is None and k in ("iline_byte", "xline_byte") else v) for k, v in settings.items()}
     opts = dataclasses.replace(config or IngestConfig(), **settings)
     opts.check()
+    if is_mdio(src_url):  # an MDIO store is registered where it is: nothing copied
+        return register_mdio(src_url, data_root, opts)
     il_byte, xl_byte = opts.iline_byte or None, opts.xline_byte or None
     t0 = time.perf_counter()
     data_root = storage.normalize(data_root)

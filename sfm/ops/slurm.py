@@ -29,6 +29,7 @@ from sfm import storage
 from sfm.ingest import manifest
 from sfm.config import JobConfig
 from sfm.errors import SFMError
+from sfm.ingest.mdio_source import is_mdio
 
 REQUEUE_SIGNAL = "USR1"
 
@@ -37,12 +38,13 @@ REQUEUE_SIGNAL = "USR1"
 
 
 def training_surveys(*, surveys: str = "", data_root: str = "", held_out: str = "") -> list[str]:
-    """Store URLs to train on: ``surveys`` (store URLs), or every survey published in ``data_root``'s
+    """Store URLs to train on: ``surveys`` (store URLs; an MDIO store's URL stands for its registration in
+    ``data_root``, :func:`_registered_mdio`), or every survey published in ``data_root``'s
     manifest except ``held_out`` (names, survey ids or store URLs); both comma-separated or a JSON list
     (:func:`sfm.storage.objects.split_urls`)."""
     named = storage.split_urls(surveys)
     if named:
-        return [storage.normalize(s) for s in named]
+        return [_registered_mdio(url, data_root) if is_mdio(url) else storage.normalize(url) for url in named]
     if not data_root:
         raise SFMError("name the training data: --surveys STORE_URL[,...] or --data-root ROOT (its published surveys)")
     table = manifest.read(data_root)
@@ -59,6 +61,20 @@ def training_surveys(*, surveys: str = "", data_root: str = "", held_out: str = 
     if keep.empty:
         raise SFMError(f"--held-out leaves no survey in {data_root} to train on; hold out fewer")
     return list(keep["store_url"])
+
+
+def _registered_mdio(url: str, data_root: str) -> str:
+    """The reference group an MDIO store ``url`` is registered as in ``data_root``'s manifest (by source_url)."""
+    url = storage.normalize(url).rstrip("/")
+    fix = f"register it first: sfm ingest {url} --out {data_root or 'DATA_ROOT'}"
+    if not data_root:
+        raise SFMError(f"--surveys {url} is an MDIO store, read through its registration: pass --data-root, and "
+                       f"{fix}")
+    table = manifest.read(data_root)
+    rows = table[table["source_url"] == url]
+    if rows.empty:
+        raise SFMError(f"MDIO store {url} is not registered in {data_root}; {fix}")
+    return str(rows["store_url"].iloc[-1])
 
 
 @dataclass

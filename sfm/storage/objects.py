@@ -171,6 +171,21 @@ def list_dir(url: str) -> list[str]:
     return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != path})
 
 
+def list_tree(url: str) -> list[tuple[str, int]]:
+    """Every object below ``url`` as sorted (key relative to ``url``, size in bytes); one listing (on S3, paged
+    ListObjectsV2), no object read. Empty if nothing is there."""
+    fs, path = filesystem(url)
+    try:
+        found = fs.find(path, detail=True)
+    except FileNotFoundError:
+        return []
+    except (OSError, PermissionError) as err:
+        raise _wrap(url, err) from err
+    root = path.rstrip("/") + "/"
+    return sorted((name[len(root):], int(info.get("size") or 0)) for name, info in found.items()
+                  if name.startswith(root) and info.get("type", "file") != "directory")
+
+
 def upload(local_path: str | os.PathLike, url: str) -> None:
     """Copy a local file or directory tree to ``url``. Files appear whole (see :func:`write_bytes`)."""
     local_path = Path(local_path)
