@@ -50,7 +50,8 @@ def user_errors():
 class PretrainFlow(FlowSpec):
     config = Config("config", default=str(DEFAULT_TOML), parser=tomllib.loads,
                     help="TOML job config (see sfm/default.toml); the parameters below override it")
-    surveys = Parameter("surveys", default="", help="comma-separated SEG-Y URLs (local or s3://), or a JSON list; "
+    surveys = Parameter("surveys", default="", help="comma-separated SEG-Y or MDIO v1 (.mdio) URLs (local or s3://), "
+                        "or a JSON list; MDIO stores are read in place; "
                         "empty: generate three synthetic demo surveys into <data-root>/landing")
     held_out = Parameter("held-out", default="", help="SEG-Y URLs (as --surveys) evaluated but never trained on "
                          "(default: the last of --surveys)")

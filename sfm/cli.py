@@ -231,8 +231,9 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--sorting", choices=["inline", "crossline"], default="inline")
     p.set_defaults(func=_cmd_synth)
 
-    p = sub.add_parser("ingest", help="SEG-Y files -> Zarr v3 survey stores, published in the manifest")
-    p.add_argument("src", nargs="+", help="SEG-Y files (local paths or s3:// URLs)")
+    p = sub.add_parser("ingest", help="SEG-Y files -> Zarr v3 survey stores, published in the manifest; MDIO v1 "
+                       "stores are registered, read in place (nothing copied)")
+    p.add_argument("src", nargs="+", help="SEG-Y files or MDIO v1 stores (.mdio; local paths or s3:// URLs)")
     p.add_argument("--out", required=True, help="data root (local path or s3://bucket/prefix)")
     p.add_argument("--iline-byte", type=int, default=None, help="trace-header byte of the inline number")
     p.add_argument("--xline-byte", type=int, default=None, help="trace-header byte of the crossline number")

@@ -44,7 +44,9 @@ def training_surveys(*, surveys: str = "", data_root: str = "", held_out: str = 
     (:func:`sfm.storage.objects.split_urls`)."""
     named = storage.split_urls(surveys)
     if named:
-        return [_registered_mdio(url, data_root) if is_mdio(url) else storage.normalize(url) for url in named]
+        # a name ending in .zarr is a survey store (not looked into here: the trainer opens it)
+        return [_registered_mdio(url, data_root) if not url.rstrip("/").endswith(".zarr") and is_mdio(url)
+                else storage.normalize(url) for url in named]
     if not data_root:
         raise SFMError("name the training data: --surveys STORE_URL[,...] or --data-root ROOT (its published surveys)")
     table = manifest.read(data_root)
