@@ -170,13 +170,18 @@ def _exists(row: dict[str, Any], src_url: str, t0: float, concurrent: bool = Fal
 
 
 def open_survey(store_url: str):
-    """The survey as an xarray Dataset (lazy), after checking its attributes against the contract."""
+    """The survey as an xarray Dataset (lazy), after checking its attributes against the contract (an MDIO
+    reference: the MDIO store it names, as MDIO wrote it)."""
     import xarray as xr
 
-    read_store_attrs(store_url)
+    attrs = read_store_attrs(store_url)
+    options = {"zarr_format": 3}
+    if attrs.get("source_kind") == "mdio":
+        store_url = attrs["amplitude_url"]
+        options["consolidated"] = False  # MDIO 1.x writes no consolidated metadata
     if storage.is_s3(store_url):
-        return xr.open_zarr(store_url, storage_options=storage.s3fs_options(), zarr_format=3)
-    return xr.open_zarr(storage.normalize(store_url), zarr_format=3)
+        return xr.open_zarr(store_url, storage_options=storage.s3fs_options(), **options)
+    return xr.open_zarr(storage.normalize(store_url), **options)
 
 
 def resolve_sources(urls: list[str]) -> list[str]:

@@ -18,7 +18,7 @@ from sfm.data.bricks import BrickReader
 from sfm.errors import SFMError
 from sfm.ingest import manifest
 from sfm.ingest.contracts import read_store_attrs, validate
-from sfm.ingest.survey import ingest_survey
+from sfm.ingest.survey import ingest_survey, open_survey
 from sfm.ops.slurm import training_surveys
 
 CROP = (16, 16, 32)
@@ -92,6 +92,8 @@ def test_statistics_are_the_segy_ingests(name, registered):
     assert ours == theirs  # count, min, max, percentiles, zero and nonfinite counts: exactly
     attrs = read_store_attrs(mdio_row["store_url"])
     assert attrs["amplitude_url"] == mdio_row["source_url"] and attrs["checksum"].startswith("mdio-blake3:")
+    ds = open_survey(mdio_row["store_url"])  # xarray: the MDIO store itself
+    assert ds["amplitude"].shape == tuple(attrs["shape"]) and ds["amplitude"].dims[2] == attrs["sample_axis"]
 
 
 def test_statistics_within_the_budget_read_evenly_spaced_columns(mdio_stores, tmp_path):
@@ -204,3 +206,16 @@ def test_an_s3_copy_registers_as_the_same_survey_and_reads_the_same(s3_env, mdio
     np.testing.assert_allclose(remote.read_many([0, 1]),
                                data.CropSampler([local["store_url"]], CROP, **kwargs).read_many([0, 1]), rtol=1e-6)
     assert remote.fetch_stats()["bytes_fetched"] > 0
+
+
+def test_the_survey_store_contract_tells_the_two_kinds_apart(registered):
+    mdio_attrs = read_store_attrs(registered["f3"][0]["store_url"])
+    segy_attrs = read_store_attrs(registered["f3"][1]["store_url"])
+    assert "source_kind" not in segy_attrs  # SEG-Y stores as they were
+    for attrs, key in ((segy_attrs, "endian"), (segy_attrs, "source_size"), (mdio_attrs, "amplitude_url"),
+                       (mdio_attrs, "sample_axis")):
+        broken = {k: v for k, v in attrs.items() if k != key}
+        with pytest.raises(SFMError, match=f"'{key}' is a required property"):
+            validate("survey_store", broken, "store")
+    with pytest.raises(SFMError, match="checksum"):
+        validate("survey_store", {**mdio_attrs, "checksum": segy_attrs["checksum"]}, "store")
