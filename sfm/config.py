@@ -43,6 +43,9 @@ class IngestConfig:
     # file and writes whole shard rows, so a survey has at most that many parts of each kind
     parts: int = 0
     part_gb: float = 64.0
+    # "sfm", or "mdio": the same store plus what MDIO 1.1.3's tools read and export (sfm.ingest.mdio_layout)
+    layout: str = "sfm"
+    domain: str = "time"  # the sample axis: time (ms) or depth (m); names it in the mdio layout
 
     def check(self) -> None:
         """Every setting valid, or SFMError naming it and the fix."""
@@ -62,14 +65,27 @@ class IngestConfig:
             raise SFMError(f"ingest.parts = {self.parts} is not a number of tasks; give 0 (by size) or more")
         if not self.part_gb > 0:
             raise SFMError(f"ingest.part_gb = {self.part_gb} must be positive (GB of SEG-Y per task)")
+        self.check_layout()
         for byte in (self.iline_byte, self.xline_byte):
             if byte and not 1 <= int(byte) <= 237:
                 raise SFMError(f"byte location {byte} is outside the 240-byte trace header; use 1..237")
+
+    def check_layout(self) -> None:
+        """``layout`` and ``domain`` valid, and with ``dtype``, or SFMError."""
+        if self.layout not in LAYOUTS:
+            raise SFMError(f"ingest.layout = {self.layout!r} is not a store layout; use sfm, or mdio (read by MDIO too)")
+        if self.domain not in DOMAINS:
+            raise SFMError(f"ingest.domain = {self.domain!r} is not a sample domain; use time or depth")
+        if self.layout == "mdio" and self.dtype != "float32":
+            raise SFMError(f"ingest.layout = \"mdio\" stores float32 amplitudes (MDIO exports {self.dtype} stores "
+                           f"unfaithfully); use --dtype float32 with --layout mdio, or --layout sfm for {self.dtype}")
 
 
 CODEC_NAMES = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
 INGEST_DTYPES = ("float32", "float16", "int8")
 NONFINITE_POLICIES = ("replace", "refuse")
+LAYOUTS = ("sfm", "mdio")  # ingest.layout
+DOMAINS = ("time", "depth")  # ingest.domain
 
 
 def codec_settings(codec: str) -> tuple[str, int]:
