@@ -66,6 +66,14 @@ sweep_taper_start 3243 2; sweep_taper_end 3245 2; taper_type_code 3247 2; correl
 binary_gain_code 3251 2; amp_recovery_code 3253 2; measurement_system_code 3255 2; impulse_polarity_code 3257 2;
 vibratory_polarity_code 3259 2; fixed_length_trace_flag 3503 2; num_extended_text_headers 3505 2
 """
+# EBCDIC -> ASCII as the ``segy`` library (MDIO's SEG-Y layer) decodes and, inverted, encodes textual headers:
+# the POSIX ``dd conv=ascii`` table, which differs from Python's cp037 for [ ] ! | ^ and the non-ASCII bytes
+_EBCDIC_TO_ASCII = bytes.fromhex(
+    "000102039c09867f978d8e0b0c0d0e0f101112139d8508871819928f1c1d1e1f80818283840a171b88898a8b8c050607909116939495"
+    "960498999a9b14159e1a20a0a1a2a3a4a5a6a7a85b2e3c282b2126a9aaabacadaeafb0b15d242a293b5e2d2fb2b3b4b5b6b7b8b97c2c"
+    "255f3e3fbabbbcbdbebfc0c1c2603a2340273d22c3616263646566676869c4c5c6c7c8c9ca6a6b6c6d6e6f707172cbcccdcecfd0d17e"
+    "737475767778797ad2d3d4d5d6d7d8d9dadbdcdddedfe0e1e2e3e4e5e6e77b414243444546474849e8e9eaebeced7d4a4b4c4d4e4f50"
+    "5152eeeff0f1f2f35c9f535455565758595af4f5f6f7f8f930313233343536373839fafbfcfdfeff")
 
 
 def _table(text: str) -> tuple[tuple[str, int, int], ...]:
@@ -107,17 +115,22 @@ def decode_binary_header(head: bytes, endian: str, revision: str, samples: int) 
     return {**fields, "segy_revision_major": int(major), "segy_revision_minor": int(minor or 0)}
 
 
-def text_header_lines(text: str) -> str:
-    """The textual header as MDIO keeps it: 40 lines of 80 characters joined by newlines (``text``: sfm's
-    right-stripped lines, :func:`sfm.ingest.segy.decode_text_header`)."""
-    lines = (text.split("\n") + [""] * 40)[:40]
-    return "\n".join(line[:80].ljust(80) for line in lines)
+def text_header_lines(raw: bytes, encoding: str) -> str:
+    """The 3200-byte textual header ``raw`` as MDIO keeps it and writes it back: 40 lines of 80 characters
+    joined by newlines, EBCDIC (``encoding``, as :func:`sfm.ingest.segy.decode_text_header` found it)
+    decoded by the table MDIO's export encodes with (:data:`_EBCDIC_TO_ASCII`), so that every byte with an
+    ASCII character there is written back as it was; the others become spaces."""
+    data = raw[:3200].ljust(3200, b" ")
+    if encoding == "ebcdic":
+        data = data.translate(_EBCDIC_TO_ASCII)
+    text = "".join(chr(b) if 32 <= b < 127 else " " for b in data)
+    return "\n".join(text[i : i + 80] for i in range(0, 3200, 80))
 
 
-def file_header_attributes(head: bytes, layout, text: str) -> dict[str, Any]:
+def file_header_attributes(head: bytes, layout, encoding: str) -> dict[str, Any]:
     """``segy_file_header``'s attributes: ``textHeader`` and ``binaryHeader`` of the file whose first 3600
-    bytes are ``head`` (``layout``: its :class:`sfm.ingest.segy.SegyLayout`; ``text``: its decoded text)."""
-    return {"textHeader": text_header_lines(text),
+    bytes are ``head`` (``layout``: its :class:`sfm.ingest.segy.SegyLayout`; ``encoding``: its text's)."""
+    return {"textHeader": text_header_lines(head, encoding),
             "binaryHeader": decode_binary_header(head, layout.endian, layout.revision, layout.samples)}
 
 
@@ -163,12 +176,12 @@ def create_arrays(group, layout, bricks: tuple[int, int, int]) -> None:
 
     with open_ranged(layout.path) as source:
         head = source.read(0, 3600)
-    text, _ = decode_text_header(head[:3200])
+    _, encoding = decode_text_header(head[:3200])
     shape = (int(bricks[0]), int(bricks[1]))
     with warnings.catch_warnings():  # structured and fixed-length UTF-32 types have no Zarr v3 spec yet; MDIO uses them
         warnings.simplefilter("ignore", category=UnstableSpecificationWarning)
         group.create_array("segy_file_header", shape=(), dtype=np.dtype("<U1"), fill_value="",
-                           compressors=ZstdCodec(level=0), attributes=file_header_attributes(head, layout, text))
+                           compressors=ZstdCodec(level=0), attributes=file_header_attributes(head, layout, encoding))
         group.create_array("headers", shape=group.root["trace_mask"].shape, chunks=shape, dtype=HEADER_DTYPE,
                            compressors=BloscCodec(**HEADER_CODEC), dimension_names=["inline", "crossline"],
                            attributes={"coordinates": "cdp_x cdp_y"})

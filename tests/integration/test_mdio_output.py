@@ -1,0 +1,179 @@
+"""Stores ingested with ``ingest.layout = "mdio"`` (issue 19, output half) read and exported by the real MDIO
+library (multidimio 1.1.3 in its own environment, tests/support/mdio_env.py): what ``mdio.open_mdio`` sees,
+the SEG-Y ``mdio.mdio_to_segy`` writes read back by segyio against the original file, sfm's own loader on
+the same store, the parts ingest byte for byte, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import segyio
+from support import ingest_cases as cases
+from support.mdio_env import describe, mdio_to_segy
+
+from sfm import data
+from sfm.config import IngestConfig, JobConfig
+from sfm.errors import SFMError
+from sfm.ingest import parts, segy
+from sfm.ingest.survey import ingest_survey
+
+MDIO = IngestConfig(layout="mdio")
+REVISION = {segyio.BinField.SEGYRevision, segyio.BinField.SEGYRevisionMinor}  # MDIO writes rev 1's 16-bit code
+UNASSIGNED = {segyio.TraceField.UnassignedInt1, segyio.TraceField.UnassignedInt2}  # bytes 233-240: MDIO drops them
+
+
+def _traces(path: Path, endian: str = "big") -> dict[tuple[int, int], tuple[np.ndarray, dict]]:
+    """{(inline, crossline): (samples float64 [NS], header fields)} of every trace segyio reads in ``path``."""
+    out = {}
+    with segyio.open(str(path), ignore_geometry=True, endian=endian) as f:
+        for t in range(f.tracecount):
+            header = {k: v for k, v in f.header[t].items() if k not in UNASSIGNED}
+            key = (header[segyio.TraceField.INLINE_3D], header[segyio.TraceField.CROSSLINE_3D])
+            out[key] = (np.asarray(f.trace[t], dtype=np.float64), header)
+    return out
+
+
+def _file_headers(path: Path, endian: str = "big") -> tuple[bytes, dict, np.ndarray]:
+    with segyio.open(str(path), ignore_geometry=True, endian=endian) as f:
+        return bytes(f.text[0]), dict(f.bin), np.asarray(f.samples)
+
+
+def _expected_stats(traces: dict) -> dict:
+    values = np.concatenate([samples for samples, _ in traces.values()])
+    return {"count": values.size, "sum": values.sum(), "sumSquares": np.square(values).sum(),
+            "min": values.min(), "max": values.max()}
+
+
+def _check_mdio_view(store: str, src: Path, domain: str, endian: str = "big") -> dict:
+    """What MDIO sees in ``store``: its dims, root attributes, statsV1 and coordinates against the SEG-Y ``src``."""
+    seen = describe(store)
+    traces = _traces(src, endian)
+    _, _, samples = _file_headers(src, endian)
+    assert seen["dims"] == ["inline", "crossline", domain] and seen["dtype"] == "float32"
+    assert seen["has_file_header"] and {"headers", "trace_mask", "cdp_x", "cdp_y", domain} <= set(seen["variables"])
+    attrs = seen["attrs"]
+    assert attrs["apiVersion"] == "1.1.3" and attrs["name"] == f"PostStack3D{domain.capitalize()}"
+    assert attrs["attributes"] == {"surveyType": "3D", "gatherType": "stacked", "defaultVariableName": "amplitude"}
+    assert attrs["survey_name"] == src.stem and attrs["stats"]["count"] == seen["stats"]["count"]  # sfm's kept
+    assert seen["live_traces"] == len(traces)
+    expected = _expected_stats(traces)
+    assert seen["stats"]["count"] == expected["count"]
+    for key in ("sum", "sumSquares", "min", "max"):  # float32 partial sums: to about 1e-7 of the total
+        assert seen["stats"][key] == pytest.approx(expected[key], rel=1e-6, abs=1e-6 * expected["sumSquares"] ** 0.5)
+    assert seen["stats"]["histogram"] == {"counts": [], "binCenters": []}
+    lines = np.array(sorted(traces))
+    assert seen["coords"]["inline"] == sorted(set(lines[:, 0].tolist()))
+    assert seen["coords"]["crossline"] == sorted(set(lines[:, 1].tolist()))
+    assert np.array_equal(seen["coords"][domain], samples)
+    return seen
+
+
+def _check_export(store: str, src: Path, out: Path, sample_format: str, endian: str = "big") -> None:
+    """``mdio_to_segy`` of ``store`` read back by segyio: the original's live traces (exactly), every kept
+    trace header field, the binary header (the revision as MDIO writes it) and the textual header."""
+    mdio_to_segy(store, out, sample_format)
+    original, exported = _traces(src, endian), _traces(out)
+    assert sorted(exported) == sorted(original)
+    for key, (samples, header) in original.items():
+        assert np.array_equal(exported[key][0], samples), key
+        assert exported[key][1] == header, key
+    text, binary, samples = _file_headers(src, endian)
+    text_out, binary_out, samples_out = _file_headers(out)
+    assert np.array_equal(samples_out, samples)
+    # the text (segyio decodes EBCDIC) comes back character for character but where one is no printable
+    # ASCII (Format1msb ends in an EBCDIC control byte): MDIO's export writes a space there
+    differ = [k for k in range(3200) if text_out[k] != text[k]]
+    assert len(differ) < 32 and all(text_out[k] == 0x20 and not 32 <= text[k] < 127 for k in differ)
+    assert {k: v for k, v in binary_out.items() if k not in REVISION} == \
+           {k: v for k, v in binary.items() if k not in REVISION}
+
+
+@pytest.mark.parametrize("name, sample_format, endian", [
+    ("f3.sgy", "store", "big"),  # 2-byte integers, exported as such
+    ("Format1msb.sgy", "spec", "big"),  # IBM floats: MDIO's default rev 1 export
+    ("Format5lsb.sgy", "store", "little"),  # little-endian IEEE floats, exported big-endian IEEE
+])
+def test_real_surveys_open_and_export_with_mdio(name, sample_format, endian, segy_dir, tmp_path):
+    src = segy_dir / name
+    row = ingest_survey(str(src), str(tmp_path / "root"), MDIO)
+    _check_mdio_view(row["store_url"], src, "time", endian)
+    _check_export(row["store_url"], src, tmp_path / "out.sgy", sample_format, endian)
+
+
+def _holes_survey(path: Path, shape=(20, 14, 40), delay_ms: int = 96) -> Path:
+    """A generated IEEE survey, 25 traces missing, every trace recorded from ``delay_ms``."""
+    cases.write(path, cases.volume(shape, seed=4))
+    head, records = cases.traces(path, shape[2])
+    cases.set_fields(records, 109, delay_ms, width=2)
+    keep = np.ones(len(records), dtype=bool)
+    keep[np.random.default_rng(8).choice(len(records), 25, replace=False)] = False
+    return cases.rewrite(path, head, records[keep])
+
+
+def test_survey_with_holes_and_delay_in_depth_opens_exports_and_loads(tmp_path):
+    src = _holes_survey(tmp_path / "holes.sgy")
+    sfm_row = ingest_survey(str(src), str(tmp_path / "sfm"), IngestConfig(chunk=8))
+    row = ingest_survey(str(src), str(tmp_path / "mdio"), IngestConfig(chunk=8, layout="mdio", domain="depth"))
+    seen = _check_mdio_view(row["store_url"], src, "depth")
+    assert seen["coords"]["depth"][:2] == [96, 100] and seen["live_traces"] == 20 * 14 - 25
+    _check_export(row["store_url"], src, tmp_path / "out.sgy", "store")
+
+    samplers = [data.CropSampler([r["store_url"]], (8, 8, 16), seed=3) for r in (sfm_row, row)]
+    for i in range(6):  # sfm's loader reads the mdio layout as it reads its own
+        crop = samplers[1].read(i)
+        assert np.array_equal(crop, samplers[0].read(i)) and np.abs(crop).max() > 0
+    zattrs = json.loads((Path(row["store_url"]) / "zarr.json").read_text())["attributes"]
+    assert zattrs["name"] == "PostStack3DDepth" and "createdOn" not in zattrs
+
+
+def test_mdio_layout_parts_and_reruns_write_the_one_task_store(tmp_path, monkeypatch):
+    """4 scan parts and 4 write parts (out of order) give the one-task mdio store byte for byte, headers and
+    statsV1 included; so does a second one-task ingest."""
+    monkeypatch.setattr(segy, "PIECE_BYTES", 1 << 20)
+    src = _holes_survey(tmp_path / "parts.sgy", shape=(64, 24, 200))
+    cfg = IngestConfig(chunk=16, layout="mdio", domain="depth")
+    one = ingest_survey(str(src), str(tmp_path / "one"), cfg)
+    again = ingest_survey(str(src), str(tmp_path / "again"), cfg)
+    digests = cases.store_digests(Path(one["store_url"]))
+    assert cases.store_digests(Path(again["store_url"])) == digests
+    assert any(k.startswith("headers/c/") for k in digests) and "segy_file_header/zarr.json" in digests
+
+    root = str(tmp_path / "parts")
+    scans = parts.plan_scans(str(src), "key", root, cfg, parts=4)
+    writes = parts.plan_writes([parts.scan_part(s, cfg) for s in reversed(scans)], root, cfg)
+    assert len(writes) == 4
+    for k in (2, 0, 3, 1):
+        parts.write_part(writes[k], cfg)
+    row = parts.publish_parts(writes, root)
+    assert cases.store_digests(Path(row["store_url"])) == digests
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"layout": "zarr"}, r"ingest\.layout = 'zarr' is not a store layout; use sfm, or mdio"),
+    ({"domain": "twt"}, r"ingest\.domain = 'twt' is not a sample domain; use time or depth"),
+    ({"layout": "mdio", "dtype": "int8"}, r"ingest\.layout = \"mdio\" stores float32 .*--layout sfm for int8"),
+    ({"layout": "mdio", "dtype": "float16"}, r"--dtype float32 with --layout mdio"),
+])
+def test_bad_layout_settings_are_refused_in_one_line(setting, message):
+    with pytest.raises(SFMError, match=message) as err:
+        IngestConfig(**setting).check()
+    assert "\n" not in str(err.value)
+    job = JobConfig.from_dict({"ingest": setting})
+    with pytest.raises(SFMError, match=message):
+        job.validate()
+
+
+def test_cli_refuses_a_bad_layout_before_reading_any_file(tmp_path):
+    for flags, message in ((["--layout", "mdi0"], "ingest.layout = 'mdi0'"),
+                           (["--layout", "mdio", "--dtype", "int8"], "ingest.layout = \"mdio\" stores float32"),
+                           (["--domain", "Depth"], "ingest.domain = 'Depth'")):
+        proc = subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", str(tmp_path / "missing.sgy"), "--out",
+                               str(tmp_path / "root"), *flags], capture_output=True, text=True)
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("sfm ingest: error: ") and message in lines[0], proc.stderr
