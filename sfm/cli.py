@@ -36,7 +36,7 @@ def _cmd_ingest(args: argparse.Namespace) -> None:
 
     from sfm.ingest.survey import ingest_survey
 
-    IngestConfig(dtype=args.dtype, layout=args.layout, domain=args.domain).check_layout()  # once, before any file
+    IngestConfig(layout=args.layout, domain=args.domain).check_layout()  # once, before any file
     t0, read_bytes, failures = time.perf_counter(), 0, []
     for src in args.src:
         try:
@@ -250,7 +250,7 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--refuse-nonfinite", action="store_true",
                    help="fail on NaN/inf samples instead of replacing them by 0 and counting them")
     p.add_argument("--layout", default=IngestConfig.layout,
-                   help="sfm (default), or mdio: also what MDIO's tools read and export (float32 stores only)")
+                   help="sfm (default), or mdio: also what MDIO's tools read and export")
     p.add_argument("--domain", default=IngestConfig.domain,
                    help="the sample axis, time (default) or depth: its name in the mdio layout")
     p.set_defaults(func=_cmd_ingest)

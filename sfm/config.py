@@ -71,14 +71,12 @@ class IngestConfig:
                 raise SFMError(f"byte location {byte} is outside the 240-byte trace header; use 1..237")
 
     def check_layout(self) -> None:
-        """``layout`` and ``domain`` valid, and with ``dtype``, or SFMError."""
+        """``layout`` and ``domain`` valid, or SFMError. Every dtype goes with either layout: MDIO decodes a float16
+        or int8 store's CF scale_factor / add_offset and exports the decoded amplitudes."""
         if self.layout not in LAYOUTS:
             raise SFMError(f"ingest.layout = {self.layout!r} is not a store layout; use sfm, or mdio (read by MDIO too)")
         if self.domain not in DOMAINS:
             raise SFMError(f"ingest.domain = {self.domain!r} is not a sample domain; use time or depth")
-        if self.layout == "mdio" and self.dtype != "float32":
-            raise SFMError(f"ingest.layout = \"mdio\" stores float32 amplitudes (MDIO exports {self.dtype} stores "
-                           f"unfaithfully); use --dtype float32 with --layout mdio, or --layout sfm for {self.dtype}")
 
 
 CODEC_NAMES = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
