@@ -147,7 +147,7 @@ def _create_arrays(group: GroupWriter, plan: _Plan, geometry: SurveyGeometry, la
     mask[geometry.trace_il, geometry.trace_xl] = True
     cdp_x, cdp_y, _ = cdp_coordinates(geometry, headers)
     small = (
-        ("trace_mask", mask, ["inline", "crossline"], {}),
+        ("trace_mask", mask, ["inline", "crossline"], {"coordinates": "cdp_x cdp_y"} if plan.layout == "mdio" else {}),
         ("cdp_x", cdp_x, ["inline", "crossline"], {"long_name": "CDP X (scaled by byte 71)"}),
         ("cdp_y", cdp_y, ["inline", "crossline"], {"long_name": "CDP Y (scaled by byte 71)"}),
         ("inline", geometry.inlines, ["inline"], {}),
