@@ -1,7 +1,7 @@
 """Ingest benchmark (issue 3): generated SEG-Y of at least 1 GB, everything measured side by side in one run.
 
     python benchmarks/ingest.py [--gb 1.0] [--big-gb 4.0] [--repeat 2] [--workdir DIR] [--codec zstd:1]
-                                [--sections base,s3,parts] [--parts 1,2,4]
+                                [--sections base,s3,parts,mdio] [--parts 1,2,4]
 
 Figures (the last line printed is one JSON object with all of them):
 
@@ -22,6 +22,8 @@ into a local store, TMPDIR on a 64 MB tmpfs (where this process may mount one) w
 there: MB/s, CPU-s per GB, local disk used, peak RSS at both sizes, and the store against a local ingest.
 Section ``parts``: the small file ingested by ``sfm.ingest.parts`` in 1, 2 and 4 parts, each task its own
 process: CPU-s per GB by stage, the stores compared, and on paper a 2 TB survey on 1, 8 and 32 nodes.
+Section ``mdio`` (not run by default): the shared F3 crop and the small file ingested in the sfm and the mdio
+layout (``ingest.layout``): CPU-s, seconds and store bytes, the trace headers' share.
 
 Every timing is also taken in CPU seconds (user + system, all threads): ``cpu_floor_s`` = max(segyio's
 CPU, encode CPU / cores) against ``cpu_ingest_over_cores_s`` = ingest CPU / cores, i.e. what a
@@ -166,7 +168,7 @@ INGEST_CHILD = CHILD + """
 import boto3, google_crc32c, jsonschema, numcodecs, pandas, pyarrow.parquet, s3fs, zarr, zarr.codecs
 from sfm.ingest.survey import ingest_survey
 c0 = cpu_seconds()
-row = ingest_survey(sys.argv[1], sys.argv[2], codec=sys.argv[3])
+row = ingest_survey(sys.argv[1], sys.argv[2], codec=sys.argv[3], layout=(sys.argv[4:] or ["sfm"])[0])
 print(json.dumps({"seconds": row["seconds"], "cpu_s": cpu_seconds() - c0, "status": row["status"],
                   "store_url": row["store_url"], "timings": row["details"]["timings"], "peak_rss_mb": peak_rss_mb()}))
 """
@@ -472,6 +474,34 @@ def measure_parts(codec: str, work: Path, small: dict, counts: str) -> dict:
     return out
 
 
+def store_bytes(root: Path) -> dict[str, int]:
+    """Bytes of a local store in all and of its MDIO ``headers`` array."""
+    files = [p for p in root.rglob("*") if p.is_file()]
+    return {"bytes": sum(p.stat().st_size for p in files),
+            "headers_bytes": sum(p.stat().st_size for p in files if p.relative_to(root).parts[0] == "headers")}
+
+
+def measure_mdio(codec: str, work: Path, small: dict, repeat: int) -> dict:
+    """The shared F3 crop and the generated file ingested in the sfm and the mdio layout (issue 19): CPU-s,
+    wall seconds (best of ``repeat``, alternated) and store bytes, the MDIO headers' share of them."""
+    out: dict = {}
+    for name, path in (("f3", str(PROJECT.parent / "shared" / "data" / "segy" / "f3.sgy")), ("generated", small["path"])):
+        warm(path)
+        best: dict[str, dict] = {}
+        for k in range(repeat):
+            for layout in ("sfm", "mdio"):
+                root = work / f"mdio-{name}-{layout}-{k}"
+                child = run_child(INGEST_CHILD, path, str(root), codec, layout)
+                if layout not in best or child["cpu_s"] < best[layout]["cpu_s"]:
+                    best[layout] = {"cpu_s": round(child["cpu_s"], 2), "seconds": round(child["seconds"], 2),
+                                    **store_bytes(Path(child["store_url"]))}
+                shutil.rmtree(root)
+        best["mdio_cpu_over_sfm"] = round(best["mdio"]["cpu_s"] / best["sfm"]["cpu_s"], 3)
+        out[name] = best
+        print(f"mdio {name}: {json.dumps(best)}", flush=True)
+    return out
+
+
 def on_paper(stages: dict, gb: float, survey_gb: float = 2000.0) -> dict:
     """Wall time of a 2 TB survey on 1, 8 and 32 nodes like this one, from the 1-part per-GB figures: the
     scan splits into whole 4 GiB pieces and the writes into shard rows, both spread evenly over the nodes;
@@ -511,7 +541,7 @@ def main() -> None:
         landing = work / "rclone" / BUCKET  # where rclone serve s3 finds them as s3://BUCKET/<name>
         landing.mkdir(parents=True)
         small = generate_segy(landing / "survey-small.sgy", args.gb, seed=1)
-        big = generate_segy(landing / "survey-big.sgy", args.big_gb, seed=2)
+        big = generate_segy(landing / "survey-big.sgy", args.big_gb, seed=2) if sections & {"base", "s3"} else small
         generated_s = time.perf_counter() - t0
         print(f"generated {small['bytes'] / 1e9:.2f} GB {small['shape']} and {big['bytes'] / 1e9:.2f} GB "
               f"{big['shape']} in {time.perf_counter() - t0:.0f}s", flush=True)
@@ -524,6 +554,8 @@ def main() -> None:
             result["s3"] = measure_s3(codec, work, small, big)
         if "parts" in sections:
             result["parts"] = measure_parts(codec, work, small, args.parts)
+        if "mdio" in sections:
+            result["mdio"] = measure_mdio(codec, work, small, args.repeat)
         print(json.dumps(result))
     finally:
         shutil.rmtree(work, ignore_errors=True)

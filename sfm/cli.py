@@ -36,12 +36,13 @@ def _cmd_ingest(args: argparse.Namespace) -> None:
 
     from sfm.ingest.survey import ingest_survey
 
+    IngestConfig(layout=args.layout, domain=args.domain).check_layout()  # once, before any file
     t0, read_bytes, failures = time.perf_counter(), 0, []
     for src in args.src:
         try:
             row = ingest_survey(src, args.out, iline_byte=args.iline_byte, xline_byte=args.xline_byte,
                                 endian=args.endian, chunk=args.chunk, dtype=args.dtype, codec=args.codec,
-                                max_sparsity=args.max_sparsity,
+                                max_sparsity=args.max_sparsity, layout=args.layout, domain=args.domain,
                                 nonfinite="refuse" if args.refuse_nonfinite else "replace",
                                 progress=sys.stderr.isatty())
         except SFMError as err:
@@ -249,6 +250,10 @@ def _add_data_commands(sub) -> None:
                    help="largest allowed ratio of grid cells to traces (default 10)")
     p.add_argument("--refuse-nonfinite", action="store_true",
                    help="fail on NaN/inf samples instead of replacing them by 0 and counting them")
+    p.add_argument("--layout", default=IngestConfig.layout,
+                   help="sfm (default), or mdio: also what MDIO's tools read and export")
+    p.add_argument("--domain", default=IngestConfig.domain,
+                   help="the sample axis, time (default) or depth: its name in the mdio layout")
     p.set_defaults(func=_cmd_ingest)
 
 

@@ -46,6 +46,9 @@ class IngestConfig:
     # MDIO sources (read in place, never copied): GB of amplitude chunks the statistics read; a larger
     # store is measured over evenly spaced chunk columns up to this much (the fraction is recorded)
     mdio_stats_gb: float = 4.0
+    # "sfm", or "mdio": the same store plus what MDIO 1.1.3's tools read and export (sfm.ingest.mdio_layout)
+    layout: str = "sfm"
+    domain: str = "time"  # the sample axis: time (ms) or depth (m); names it in the mdio layout
 
     def check(self) -> None:
         """Every setting valid, or SFMError naming it and the fix."""
@@ -68,14 +71,25 @@ class IngestConfig:
         if not self.mdio_stats_gb > 0:
             raise SFMError(f"ingest.mdio_stats_gb = {self.mdio_stats_gb} must be positive (GB of an MDIO store's "
                            "amplitude read for its statistics)")
+        self.check_layout()
         for byte in (self.iline_byte, self.xline_byte):
             if byte and not 1 <= int(byte) <= 237:
                 raise SFMError(f"byte location {byte} is outside the 240-byte trace header; use 1..237")
+
+    def check_layout(self) -> None:
+        """``layout`` and ``domain`` valid, or SFMError. Every dtype goes with either layout: MDIO decodes a float16
+        or int8 store's CF scale_factor / add_offset and exports the decoded amplitudes."""
+        if self.layout not in LAYOUTS:
+            raise SFMError(f"ingest.layout = {self.layout!r} is not a store layout; use sfm, or mdio (read by MDIO too)")
+        if self.domain not in DOMAINS:
+            raise SFMError(f"ingest.domain = {self.domain!r} is not a sample domain; use time or depth")
 
 
 CODEC_NAMES = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
 INGEST_DTYPES = ("float32", "float16", "int8")
 NONFINITE_POLICIES = ("replace", "refuse")
+LAYOUTS = ("sfm", "mdio")  # ingest.layout
+DOMAINS = ("time", "depth")  # ingest.domain
 
 
 def codec_settings(codec: str) -> tuple[str, int]:

@@ -20,113 +20,12 @@ from sfm.ingest.contracts import validate
 from sfm.errors import SFMError
 from sfm.ingest.segy import SegyLayout
 from sfm.ingest.segy_geometry import SurveyGeometry, cdp_coordinates
+from sfm.ingest import mdio_layout
+from sfm.ingest.moments import Moments
 from sfm.ingest.zarr_writer import GroupWriter
 from sfm.ingest.segy_traces import TraceReader
-from sfm.ingest.options import (AMPLITUDE_CODEC, FLOAT16_MAX, INT8_MAX, PERCENTILE_TRACES, PERCENTILES,
+from sfm.ingest.options import (AMPLITUDE_CODEC, FLOAT16_MAX, INT8_MAX, PERCENTILE_TRACES,
                                 SHARD_BYTES, TRANSFORM_TRACES, codec_spec, ingest_threads)
-
-
-# ------------------------------------------------------------------------------------------------
-# statistics
-
-
-@dataclass
-class _Moments:
-    """Count, mean, M2 (sum of squared deviations), min, max of live samples; merged with Chan's formula."""
-
-    n: int = 0
-    mean: float = 0.0
-    m2: float = 0.0
-    min: float = math.inf
-    max: float = -math.inf
-    nonfinite: int = 0
-    first_nonfinite: int = -1  # trace number
-    zero_traces: int = 0
-    sample: list = field(default_factory=list)  # [k, NS] float32 arrays of evenly spaced traces
-
-    def add_block(self, block: np.ndarray, lo: float, hi: float) -> None:
-        """Add live traces ``block`` [T, NS] float32 (finite), whose min and max are ``lo`` and ``hi``."""
-        t, ns = block.shape
-        sums = block.sum(axis=1)
-        squares = np.einsum("ij,ij->i", block, block)
-        n = t * ns
-        total = float(sums.sum(dtype=np.float64))
-        mean = total / n
-        m2 = float(squares.sum(dtype=np.float64)) - total * mean
-        if not math.isfinite(m2) or m2 <= 1e-3 * float(squares.sum(dtype=np.float64)):
-            # float32 partial sums lose the spread when |mean| >> std (or overflow): redo exactly
-            wide = block.astype(np.float64)
-            mean = float(wide.mean())
-            m2 = float(np.square(wide - mean).sum())
-        self.merge(_Moments(n, mean, max(0.0, m2), lo, hi))
-        if lo == 0.0 or hi == 0.0:
-            self.zero_traces += int(np.count_nonzero((block == 0).all(axis=1)))
-
-    def merge(self, other: "_Moments") -> None:
-        if other.n:
-            n = self.n + other.n
-            delta = other.mean - self.mean
-            self.mean += delta * other.n / n
-            self.m2 += other.m2 + delta * delta * self.n * other.n / n
-            self.n = n
-            self.min, self.max = min(self.min, other.min), max(self.max, other.max)
-        self.nonfinite += other.nonfinite
-        if self.first_nonfinite < 0:
-            self.first_nonfinite = other.first_nonfinite
-        self.zero_traces += other.zero_traces
-        self.sample.extend(other.sample)
-
-    def result(self) -> dict[str, Any]:
-        base = {"nonfinite_replaced": int(self.nonfinite), "zero_traces": int(self.zero_traces),
-                "percentile_traces": int(sum(len(s) for s in self.sample))}
-        if self.n == 0:
-            return {"count": 0, "mean": 0.0, "std": 0.0, "min": 0.0, "max": 0.0, "all_zero": True,
-                    "percentiles": {f"{p:g}": 0.0 for p in PERCENTILES}, **base}
-        values = np.concatenate([s.ravel() for s in self.sample]) if self.sample else np.zeros(1, np.float32)
-        pct = np.percentile(values, PERCENTILES)
-        return {
-            "count": int(self.n), "mean": float(self.mean), "std": float(math.sqrt(self.m2 / self.n)),
-            "min": float(self.min), "max": float(self.max), "all_zero": self.min == 0.0 and self.max == 0.0,
-            "percentiles": {f"{p:g}": float(v) for p, v in zip(PERCENTILES, pct)}, **base,
-        }
-
-
-def moments_to_bytes(units: list[_Moments]) -> bytes:
-    """Per-unit statistics as one ``.npz`` (exact: float64 and int64 columns, the kept traces stacked)."""
-    import io
-
-    ns = next((s.shape[1] for m in units for s in m.sample), 0)
-    columns = {name: np.array([getattr(m, name) for m in units], dtype=np.float64 if name in _FLOATS else np.int64)
-               for name in _FLOATS + _INTS}
-    counts = [[len(s) for s in m.sample] for m in units]
-    samples = [s for m in units for s in m.sample]
-    buf = io.BytesIO()
-    np.savez(buf, **columns, sample_units=np.array([len(c) for c in counts], dtype=np.int64),
-             sample_rows=np.array([n for c in counts for n in c], dtype=np.int64),
-             samples=np.concatenate(samples) if samples else np.zeros((0, ns), np.float32))
-    return buf.getvalue()
-
-
-def moments_from_bytes(data: bytes) -> list[_Moments]:
-    """The inverse of :func:`moments_to_bytes`."""
-    import io
-
-    z = np.load(io.BytesIO(data))
-    rows, samples = z["sample_rows"], z["samples"]
-    units, r, at = [], 0, 0
-    for u, k in enumerate(z["sample_units"]):
-        kept = []
-        for n in rows[r : r + int(k)]:
-            kept.append(samples[at : at + int(n)])
-            at += int(n)
-        r += int(k)
-        fields = {name: float(z[name][u]) for name in _FLOATS} | {name: int(z[name][u]) for name in _INTS}
-        units.append(_Moments(**fields, sample=kept))
-    return units
-
-
-_FLOATS = ("mean", "m2", "min", "max")
-_INTS = ("n", "nonfinite", "first_nonfinite", "zero_traces")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -145,6 +44,8 @@ class _Plan:
     offset: float = 0.0  # float16 and int8: amplitude = stored * scale + offset
     scale: float = 1.0
     hole: float = 0.0  # the stored value of a missing trace (decodes to exactly 0)
+    layout: str = "sfm"  # "mdio": with MDIO's arrays and attributes too (sfm.ingest.mdio_layout)
+    domain: str = "time"  # the sample axis (named so in the mdio layout)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -175,7 +76,7 @@ def _plan(layout: SegyLayout, geometry: SurveyGeometry, opts: IngestConfig) -> _
     brick_bytes = math.prod(bricks) * np.dtype(opts.dtype).itemsize
     per_shard = max(1, min(-(-ns // bricks[2]), SHARD_BYTES // brick_bytes))
     return _Plan((n_il, n_xl, ns), bricks, (bricks[0], bricks[1], bricks[2] * per_shard), opts.dtype,
-                 codec_spec(opts.codec))
+                 codec_spec(opts.codec), layout=opts.layout, domain=opts.domain)
 
 
 def _fix_transform(plan: _Plan, reader: TraceReader, n_traces: int) -> None:
@@ -227,6 +128,13 @@ def _create_arrays(group: GroupWriter, plan: _Plan, geometry: SurveyGeometry, la
     from zarr.codecs import BloscCodec
 
     n_il, n_xl, ns = plan.shape
+    start_ms = geometry.extra.get("sample_start_ms", 0)
+    if plan.layout == "mdio":
+        axis, (samples, sample_attrs) = plan.domain, mdio_layout.sample_coordinate(
+            plan.domain, start_ms, layout.sample_interval_us, ns)
+    else:
+        axis, samples = "sample", start_ms + np.arange(ns) * layout.sample_interval_us / 1000.0
+        sample_attrs = {"units": "ms", "long_name": "time: delay (trace bytes 109-110) + index * interval"}
     amp_attrs = {"coordinates": "cdp_x cdp_y", "long_name": "amplitude"}
     if plan.dtype != "float32":  # CF convention: xarray decodes stored values back to amplitude
         amp_attrs.update({"scale_factor": plan.scale, "add_offset": plan.offset})
@@ -234,23 +142,24 @@ def _create_arrays(group: GroupWriter, plan: _Plan, geometry: SurveyGeometry, la
         "amplitude", shape=plan.shape, chunks=plan.bricks, dtype=plan.dtype,
         shards={"shape": plan.shards, "index_location": "start"},
         compressors=BloscCodec(**plan.codec), fill_value=np.dtype(plan.dtype).type(plan.hole),
-        dimension_names=["inline", "crossline", "sample"], attributes=amp_attrs)
+        dimension_names=["inline", "crossline", axis], attributes=amp_attrs)
     mask = np.zeros((n_il, n_xl), dtype=bool)
     mask[geometry.trace_il, geometry.trace_xl] = True
     cdp_x, cdp_y, _ = cdp_coordinates(geometry, headers)
     small = (
-        ("trace_mask", mask, ["inline", "crossline"], {}),
+        ("trace_mask", mask, ["inline", "crossline"], {"coordinates": "cdp_x cdp_y"} if plan.layout == "mdio" else {}),
         ("cdp_x", cdp_x, ["inline", "crossline"], {"long_name": "CDP X (scaled by byte 71)"}),
         ("cdp_y", cdp_y, ["inline", "crossline"], {"long_name": "CDP Y (scaled by byte 71)"}),
         ("inline", geometry.inlines, ["inline"], {}),
         ("crossline", geometry.crosslines, ["crossline"], {}),
-        ("sample", geometry.extra.get("sample_start_ms", 0) + np.arange(ns) * layout.sample_interval_us / 1000.0,
-         ["sample"], {"units": "ms", "long_name": "time: delay (trace bytes 109-110) + index * interval"}),
+        (axis, samples, [axis], sample_attrs),
     )
     for name, values, dims, attributes in small:
         group.create_array(name, values, shape=values.shape, chunks=values.shape, dtype=values.dtype, fill_value=0,
                            dimension_names=dims, attributes=attributes,
                            compressors=BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"))
+    if plan.layout == "mdio":
+        mdio_layout.create_arrays(group, layout, plan.bricks)
     group.put(layout_of=["amplitude"])
 
 
@@ -293,7 +202,7 @@ class Columns:
 
 
 def write_columns(group: GroupWriter, plan: "_Plan", layout: SegyLayout, columns: Columns,
-                  units: list[tuple[int, int, int, int]], opts: IngestConfig, progress: bool) -> list[_Moments]:
+                  units: list[tuple[int, int, int, int]], opts: IngestConfig, progress: bool) -> list[Moments]:
     """Read, encode and write the shards of brick columns ``units`` [(il0, il1, xl0, xl1)] (all inside
     ``columns``) on all cores; returns the statistics of each unit, in the order of ``units``.
 
@@ -309,26 +218,33 @@ def write_columns(group: GroupWriter, plan: "_Plan", layout: SegyLayout, columns
     buffers = threading.local()  # per thread, reused: no page faults per column
     with TraceReader(layout) as reader:
 
-        def work(unit: tuple[int, int, int, int]) -> _Moments:
+        def work(unit: tuple[int, int, int, int]) -> Moments:
             il0, il1, xl0, xl1 = unit
             if getattr(buffers, "column", None) is None:
                 # brick-major: column[k] is the k-th brick along the samples, C-contiguous, what the codec reads
                 buffers.column = np.empty((n_k, b_il, b_xl, depth), dtype=np.float32)
                 buffers.block = np.empty((reader.max_traces, plan.shape[2]), dtype=np.float32)
+                if plan.layout == "mdio":  # the trace headers too, read with the samples
+                    buffers.headers = (np.empty((b_il, b_xl, mdio_layout.HEADER_BYTES), dtype=np.uint8),
+                                       np.empty((reader.max_traces, mdio_layout.HEADER_BYTES), dtype=np.uint8))
             unit_cells = cells[il0 - columns.il_origin : il1 - columns.il_origin, xl0:xl1]
-            moments = _read_unit(reader, unit_cells, buffers.column, buffers.block, stride)
+            raw = getattr(buffers, "headers", None)
+            moments = _read_unit(reader, unit_cells, buffers.column, buffers.block, stride, raw)
             if moments.n == 0:
                 return moments  # all holes: no shard (zarr reads fill value, which decodes to 0)
+            if raw is not None:
+                a, b = unit_cells.shape
+                mdio_layout.write_headers(group, (il0, xl0), raw[0][:a, :b], unit_cells >= 0, layout.endian)
             stored = _encode(buffers.column, unit_cells >= 0, plan, buffers)
             for s in range(writer.shards_per_column):
                 bricks = [stored[k] if k < n_k else None for k in range(s * per_shard, (s + 1) * per_shard)]
                 writer.write_bricks((il0 // b_il, xl0 // b_xl, s), bricks)
             return moments
 
-        done: list[_Moments] = []
+        done: list[Moments] = []
         bar = _progress(len(units), layout.name, progress)
 
-        def collect(moments: _Moments) -> None:
+        def collect(moments: Moments) -> None:
             done.append(moments)
             bar.update(1)
             if moments.nonfinite and opts.nonfinite == "refuse":
@@ -357,27 +273,31 @@ def write_columns(group: GroupWriter, plan: "_Plan", layout: SegyLayout, columns
     return done
 
 
-def finish_store(group: GroupWriter, plan: "_Plan", moments: list[_Moments], attrs: dict[str, Any]) -> dict[str, Any]:
+def finish_store(group: GroupWriter, plan: "_Plan", moments: list[Moments], attrs: dict[str, Any]) -> dict[str, Any]:
     """Merge the units' statistics in the order given (the store's unit order: the same bytes however
     the units were split between tasks), complete ``attrs`` and write the root ``zarr.json``, last.
     Returns the statistics."""
-    total = _Moments()
+    total = Moments()
     for unit in moments:
         total.merge(unit)
     stats = total.result()
     attrs["stats"] = stats
+    if plan.layout == "mdio":
+        group.update_attributes("amplitude", {"statsV1": mdio_layout.stats_v1(
+            total.n, total.mean, total.m2, total.min, total.max)})
     attrs["store"] = {"bricks": list(plan.bricks), "shards": list(plan.shards), "shard_index": "start",
                       "codec": "blosc " + " ".join(f"{k}={v}" for k, v in plan.codec.items()),
                       "dtype": plan.dtype}
     if plan.dtype != "float32":
         attrs["amplitude_transform"] = _transform_attrs(plan)
-    validate("survey_store", attrs, f"survey store {group.url}")
-    group.finish(attrs)
+    written = mdio_layout.root_attributes(attrs, plan.domain) if plan.layout == "mdio" else attrs
+    validate("survey_store", written, f"survey store {group.url}")
+    group.finish(written)
     return stats
 
 
 def _read_unit(reader: TraceReader, cells: np.ndarray, column: np.ndarray, block: np.ndarray,
-               stride: int) -> _Moments:
+               stride: int, headers: tuple[np.ndarray, np.ndarray] | None = None) -> Moments:
     """Fill brick column ``column`` [K, A, B, D] (brick-major: brick k holds samples k*D .. k*D + D - 1)
     with the traces of ``cells`` [a, b] (trace numbers, -1 for holes) and return the statistics of its
     live samples. Whatever no trace fills is 0: holes, cells past the unit's edge (a < A or b < B) and
@@ -386,9 +306,10 @@ def _read_unit(reader: TraceReader, cells: np.ndarray, column: np.ndarray, block
     Consecutive trace numbers are read together, in pieces of at most ``len(block)`` traces: each piece
     is converted into ``block`` [T, NS] float32 (small: it stays in cache), its statistics taken there,
     and only then placed into the column (along a crossline row for inline-sorted files, along an
-    inline column for crossline-sorted ones, cell by cell otherwise).
+    inline column for crossline-sorted ones, cell by cell otherwise). ``headers`` = (unit [A, B, 240],
+    piece [len(block), 240]) uint8, if given, receives the live cells' trace headers the same way.
     """
-    moments = _Moments()
+    moments = Moments()
     a, b = cells.shape
     n_k, big_a, big_b, depth = column.shape
     ns = block.shape[1]
@@ -421,7 +342,9 @@ def _read_unit(reader: TraceReader, cells: np.ndarray, column: np.ndarray, block
         elif j[0] == j[-1] and i[-1] - i[0] == hi - lo - 1:  # along an inline column
             i, j = slice(int(i[0]), int(i[-1]) + 1), int(j[0])
         piece = block[: hi - lo]
-        reader.read_into(start, stop, piece)
+        reader.read_into(start, stop, piece, None if headers is None else headers[1][: hi - lo])
+        if headers is not None:
+            headers[0][i, j] = headers[1][: hi - lo]
         low, high = float(piece.min()), float(piece.max())
         if not (math.isfinite(low) and math.isfinite(high)):  # NaN or inf somewhere: count, locate, replace by 0
             bad = ~np.isfinite(piece)

@@ -25,7 +25,7 @@ import numpy as np
 
 from sfm import storage
 from sfm.errors import SFMError
-from sfm.ingest.cube_writer import _Moments
+from sfm.ingest.moments import Moments
 from sfm.ingest.options import PERCENTILE_TRACES
 
 SAMPLE_AXES = ("time", "depth")
@@ -264,7 +264,7 @@ def statistics(src: MdioSource, budget_bytes: float, threads: int = STATS_THREAD
     before = src.store.bytes_fetched
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="sfm-mdio-stats") as pool:
         parts = list(pool.map(lambda c: _column_moments(src, c, rank, stride), columns))
-    total = _Moments()
+    total = Moments()
     for part in parts:
         total.merge(part)
     stats = total.result()
@@ -273,12 +273,12 @@ def statistics(src: MdioSource, budget_bytes: float, threads: int = STATS_THREAD
     return stats
 
 
-def _column_moments(src: MdioSource, column: tuple[int, int], rank: np.ndarray, stride: int) -> _Moments:
+def _column_moments(src: MdioSource, column: tuple[int, int], rank: np.ndarray, stride: int) -> Moments:
     """The statistics of the live traces of one chunk column (all its chunks along the samples)."""
     (i, j), (b_i, b_j) = column, src.chunks[:2]
     region = (slice(i * b_i, min(src.shape[0], (i + 1) * b_i)), slice(j * b_j, min(src.shape[1], (j + 1) * b_j)))
     live = src.mask[region]
-    moments = _Moments()
+    moments = Moments()
     if not live.any():
         return moments
     block = np.asarray(src.amp[region], dtype=np.float32)[live]  # [T, NS]

@@ -35,8 +35,8 @@ from sfm import storage
 from sfm.config import IngestConfig
 from sfm.errors import SFMError
 from sfm.ingest import manifest
-from sfm.ingest.cube_writer import (Columns, _Plan, finish_store, moments_from_bytes, moments_to_bytes,
-                                    prepare_store, write_columns)
+from sfm.ingest.cube_writer import Columns, _Plan, finish_store, prepare_store, write_columns
+from sfm.ingest.moments import moments_from_bytes, moments_to_bytes
 from sfm.ingest.mdio_register import publish_from_staging, scan_to_staging
 from sfm.ingest.options import ingest_threads
 from sfm.ingest import segy

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from sfm.errors import SFMError
-from sfm.ingest.segy import READ_BUFFER_BYTES, SAMPLE_FORMATS, SegyLayout
+from sfm.ingest.segy import READ_BUFFER_BYTES, SAMPLE_FORMATS, TRACE_HEADER_BYTES, SegyLayout
 from sfm.storage.ranged_file import open_ranged
 
 
@@ -37,17 +37,19 @@ class TraceReader:
         # traces per read: runs longer than this are read in pieces, so a piece stays in the L2 cache
         self.max_traces = max(1, READ_BUFFER_BYTES // layout.trace_bytes)
 
-    def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
-        """Traces [start, stop) into ``out`` [stop - start, samples] float32 (any writable view).
+    def read_into(self, start: int, stop: int, out: np.ndarray, headers: np.ndarray | None = None) -> None:
+        """Traces [start, stop) into ``out`` [stop - start, samples] float32 (any writable view), and their
+        first 240 header bytes into ``headers`` [stop - start, 240] uint8 if given (read in the same pass).
 
         The run's bytes are read with one ``preadv`` (or one ranged GET) into this thread's buffer (no page
         faults, no mapping to tear down) and converted from there into ``out``.
         """
         for lo in range(start, stop, self.max_traces):
             hi = min(stop, lo + self.max_traces)
-            self._read_piece(lo, hi, out[lo - start : hi - start])
+            self._read_piece(lo, hi, out[lo - start : hi - start],
+                             None if headers is None else headers[lo - start : hi - start])
 
-    def _read_piece(self, start: int, stop: int, out: np.ndarray) -> None:
+    def _read_piece(self, start: int, stop: int, out: np.ndarray, headers: np.ndarray | None = None) -> None:
         lay = self.layout
         n = stop - start
         nbytes = n * lay.trace_bytes
@@ -60,6 +62,8 @@ class TraceReader:
                            "ingest a file that is not being written")
         raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
         samples = raw.reshape(n, lay.trace_bytes)[:, lay.trace_header_bytes :]
+        if headers is not None:
+            headers[...] = raw.reshape(n, lay.trace_bytes)[:, :TRACE_HEADER_BYTES]
         if self._dtype is not None:
             np.copyto(out, samples.view(self._dtype), casting="unsafe")
         else:

@@ -349,6 +349,28 @@ class GroupWriter:
     def shards(self, name: str) -> ShardWriter:
         return ShardWriter(self.root[name], self.target)
 
+    def write_chunk(self, name: str, origin: tuple[int, ...], values: np.ndarray) -> None:
+        """Store the one chunk of the unsharded array ``name`` that starts at ``origin`` (a chunk corner):
+        ``values`` (clipped at the array's end), encoded by zarr in memory, then put like any other object
+        (a chunk equal to the fill value is not stored, as zarr does). Thread-safe."""
+        from zarr.core.sync import sync
+
+        array = self.root[name]
+        chunks = array.metadata.chunk_grid.chunk_shape
+        coords = tuple(o // c for o, c in zip(origin, chunks))
+        if any(o % c for o, c in zip(origin, chunks)):
+            raise ValueError(f"{name}: {origin} is not a chunk corner of chunks {chunks}")
+        array[tuple(slice(o, o + n) for o, n in zip(origin, values.shape))] = values
+        key = f"{name}/{array.metadata.encode_chunk_key(coords)}"
+        if sync(self.memory.exists(key)):
+            self._copy([key])
+            sync(self.memory.delete(key))
+
+    def update_attributes(self, name: str, attributes: dict) -> None:
+        """Add ``attributes`` to array ``name`` and put its ``zarr.json`` again (before :meth:`finish`)."""
+        self.root[name].attrs.update(attributes)
+        self._copy([f"{name}/zarr.json"])
+
     def finish(self, attributes: dict) -> None:
         """Write the group's attributes and consolidated metadata (the root ``zarr.json``), last."""
         import warnings
@@ -358,6 +380,8 @@ class GroupWriter:
         self.root.attrs.put(attributes)
         with warnings.catch_warnings():  # consolidated metadata is a zarr-python extension to v3; xarray uses it
             warnings.simplefilter("ignore", category=UserWarning)
+            # as are the structured and string types of the MDIO layout's headers (sfm.ingest.mdio_layout)
+            warnings.simplefilter("ignore", category=zarr.errors.UnstableSpecificationWarning)
             zarr.consolidate_metadata(self.memory)
         self._copy(["zarr.json"])
 

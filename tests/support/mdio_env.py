@@ -69,9 +69,10 @@ def segy_to_mdio(src: Path, dst: Path, domain: str = "time", chunks: tuple[int, 
     return Path(dst)
 
 
-def mdio_to_segy(src: Path | str, dst: Path) -> Path:
-    """``mdio.mdio_to_segy`` of the store ``src`` into the SEG-Y file ``dst``."""
-    run_tool("to-segy", str(src), str(dst))
+def mdio_to_segy(src: Path | str, dst: Path, sample_format: str = "spec") -> Path:
+    """``mdio.mdio_to_segy`` of the store ``src`` into the SEG-Y file ``dst``: samples as IBM floats (the rev 1
+    spec's, ``sample_format`` "spec"), or in the format its binary header names ("store")."""
+    run_tool("to-segy", str(src), str(dst), "--sample-format", sample_format)
     return Path(dst)
 
 

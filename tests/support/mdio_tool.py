@@ -1,7 +1,7 @@
 """Run by the separate MDIO environment's python (tests/support/mdio_env.py), never imported by sfm's tests.
 
     python mdio_tool.py from-segy SRC.sgy DST.mdio [--domain time|depth] [--chunks 16,16,32]
-    python mdio_tool.py to-segy SRC.mdio DST.sgy
+    python mdio_tool.py to-segy SRC.mdio DST.sgy [--sample-format spec|store]
     python mdio_tool.py describe SRC.mdio        # one JSON line: what MDIO's own reader sees
 
 It uses only multidimio's public API (``segy_to_mdio``, ``mdio_to_segy``, ``open_mdio``) with the SEG-Y
@@ -30,10 +30,23 @@ def from_segy(args) -> None:
     mdio.segy_to_mdio(_spec(), template, args.src, args.dst, overwrite=True)
 
 
-def to_segy(args) -> None:
-    import mdio
+# SEG-Y sample format code -> the segy library's sample type (what --sample-format store exports in)
+SAMPLE_TYPES = {1: "IBM32", 2: "INT32", 3: "INT16", 5: "FLOAT32", 6: "FLOAT64", 8: "INT8", 9: "INT64",
+                10: "UINT32", 11: "UINT16", 12: "UINT64", 16: "UINT8"}
 
-    mdio.mdio_to_segy(_spec(), args.src, args.dst)
+
+def to_segy(args) -> None:
+    """The rev 1 spec exports IBM floats, whatever data_sample_format the store's binary header (written into
+    the file) says; ``--sample-format store`` exports in that format instead, as a user exporting a non-IBM
+    survey must tell MDIO to."""
+    import mdio
+    from segy.schema import ScalarType
+
+    spec = _spec()
+    if args.sample_format == "store":
+        code = mdio.open_mdio(args.src)["segy_file_header"].attrs["binaryHeader"]["data_sample_format"]
+        spec.trace.data.format = ScalarType[SAMPLE_TYPES[int(code)]]
+    mdio.mdio_to_segy(spec, args.src, args.dst)
 
 
 def describe(args) -> None:
@@ -69,6 +82,7 @@ def main() -> None:
     p = sub.add_parser("to-segy")
     p.add_argument("src")
     p.add_argument("dst")
+    p.add_argument("--sample-format", default="spec", choices=("spec", "store"))
     p.set_defaults(run=to_segy)
     p = sub.add_parser("describe")
     p.add_argument("src")
