@@ -177,7 +177,8 @@ def read_survey_info(store_url: str, store=None, client: str = "auto", retry_sec
     scale = float(transform.get("scale", amp_attrs.get("scale_factor", 1.0)))
     offset = float(transform.get("offset", amp_attrs.get("add_offset", 0.0)))
     info = SurveyInfo(
-        store_url=store_url, name=str(attrs.get("survey_name") or attrs.get("name") or attrs.get("survey_id") or store_url),
+        store_url=store_url,
+        name=str(attrs.get("survey_name") or attrs.get("name") or attrs.get("survey_id") or store_url),
         shape=tuple(int(n) for n in amp.shape), bricks=tuple(int(n) for n in amp.chunks), trace_mask=mask,
         live_cells=table, clip=(float(pct["0.1"]), float(pct["99.9"])), mean=float(stats["mean"]),
         std=float(stats["std"]) or 1.0, scale=scale, offset=offset,

@@ -1,5 +1,7 @@
-"""The default `python flows/pretrain_flow.py run`: its evaluation card (loss curve, slices, label efficiency,
-tables) and the downstream evaluation it reports. One flow run serves every test here."""
+"""The default `python flows/pretrain_flow.py run` (synthetic SEG-Y -> stores -> training -> evaluation -> v1,
+all on local disk): the whole pipeline, its evaluation card (loss curve, slices, label efficiency, tables) and
+the downstream evaluation it reports. One flow run serves every test here; the same pipeline on S3 is
+checked on the run of tests/integration/test_leaks_flow_s3.py."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from support.flowrun import client_view, run_flow
+from support.pipeline_checks import check_pipeline, check_version_record
 from PIL import Image
 
 _CARD_SCRIPT = r"""
@@ -53,6 +57,24 @@ def default_run(tmp_path_factory):
     assert result.status == "successful", result.stderr[-5000:]
     return {"env": env, "cwd": str(home), "pathspec": result.pathspec,
             "view": client_view(result.pathspec, env, cwd=str(home))}
+
+
+@pytest.mark.timeout(1800)
+def test_default_run_ingests_trains_evaluates_and_registers_v1(default_run):
+    check_pipeline(default_run["view"])
+    data_root = Path(default_run["view"]["root"])  # the default --data-root, sfm_data in the working folder
+    assert data_root.resolve() == (Path(default_run["cwd"]) / "sfm_data").resolve()
+    version_dir = data_root / "registry" / "sfm-mae" / "v1"
+    files = {p.name for p in version_dir.iterdir()}
+    check_version_record(json.loads((version_dir / "version.json").read_text()), files)
+    assert sorted(p.name for p in (data_root / "landing").glob("*.sgy")) == [
+        "demo-heldout-0.sgy", "demo-train-0.sgy", "demo-train-1.sgy"]
+    assert len(list((data_root / "manifest" / "rows").glob("*.parquet"))) == 3
+
+    from sfm.model.io import load
+
+    model = load(str(version_dir))  # the registered weights load with one call
+    assert model.cfg.crop == (32, 32, 32)
 
 
 def card_components(run: dict) -> tuple[int, list[dict]]:

@@ -1,6 +1,9 @@
 """One complete flow run on S3 (data root and Metaflow datastore on moto_server), with test credentials
 set and every S3 request recorded by a logging proxy. Then:
 
+- the pipeline ran whole on S3: every step, Metaflow's datastore and the data root's surveys, manifest and
+  registry (v1) in the bucket, no temporary object left;
+
 - no credential (key id, secret, session token; raw, base64, URL-encoded or hex) appears in the run's
   output, any task log, artifact or card (read with the Client API), any object in the bucket, or any
   file the run wrote locally (Metaflow's dirs, the working directory, TMPDIR);
@@ -23,7 +26,8 @@ from urllib.parse import quote, quote_plus
 
 import pytest
 from conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
-from support.flowrun import run_flow
+from support.flowrun import client_view, run_flow
+from support.pipeline_checks import check_pipeline, check_version_record
 from support.s3_request_log import S3RequestLog, allowed, s3_calls
 
 from sfm.storage import iam
@@ -168,8 +172,30 @@ def s3_run(s3_server, tmp_path_factory):
         proc = subprocess.run([sys.executable, "-c", _CLIENT_DUMP, result.pathspec, str(dump_path)],
                               env={**os.environ, **env}, cwd=str(cwd), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        # read back past the proxy, which stops with this block
+        direct = {**env, "SFM_S3_ENDPOINT_URL": s3_server.endpoint, "METAFLOW_S3_ENDPOINT_URL": s3_server.endpoint}
+        view = client_view(result.pathspec, direct, cwd=str(cwd)) if result.status == "successful" else None
     return {"result": result, "client": json.loads(dump_path.read_text()), "requests": run_requests, "tmp": tmp,
-            "client_output": proc.stdout + proc.stderr}
+            "client_output": proc.stdout + proc.stderr, "view": view}
+
+
+@pytest.mark.timeout(1200)
+def test_the_whole_pipeline_runs_on_s3(s3_run, s3_server):
+    """Every step; the data root and Metaflow's datastore in the bucket; v1 registered there. (30 steps:
+    whether the loss falls is checked on the local default run.)"""
+    assert s3_run["result"].status == "successful", s3_run["result"].stderr[-3000:]
+    view = s3_run["view"]
+    check_pipeline(view, trained=False)
+    assert view["root"] == DATA_ROOT
+    keys = s3_server.keys(BUCKET)
+    assert any(k.startswith("metaflow/PretrainFlow/") for k in keys), "Metaflow's datastore is not on S3"
+    version_keys = {k.rsplit("/", 1)[-1] for k in keys if k.startswith("data/registry/sfm-mae/v1/")}
+    record = json.loads(s3_server.client().get_object(Bucket=BUCKET, Key="data/registry/sfm-mae/v1/version.json")
+                        ["Body"].read())
+    check_version_record(record, version_keys, trained=False)
+    assert sum(k.startswith("data/manifest/rows/") for k in keys) == 3
+    assert any(k.startswith("data/surveys/") and k.endswith("zarr.json") for k in keys)
+    assert not any(k.rsplit("/", 1)[-1].startswith(".") and "tmp" in k for k in keys)
 
 
 @pytest.mark.timeout(1200)
