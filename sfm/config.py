@@ -213,6 +213,8 @@ class EvalConfig:
     layer_decay: float = 0.75
     probes: bool = True  # frozen linear-head and kNN probes too
     knn: int = 16  # neighbours of the kNN probe
+    validation: float = 0.25  # early stopping on this fraction of each labelled volume's inlines (0: none)
+    validate_every: int = 25  # fine-tuning steps between validation scores
 
 
 @dataclass
@@ -293,7 +295,8 @@ class JobConfig:
                     "train.grad_accum": (t.grad_accum, 1), "train.checkpoint_every": (t.checkpoint_every, 1),
                     "train.keep_checkpoints": (t.keep_checkpoints, 0), "train.log_every": (t.log_every, 1),
                     "eval.crops": (e.crops, 1), "eval.seeds": (e.seeds, 1), "eval.test_volumes": (e.test_volumes, 1),
-                    "eval.finetune_steps": (e.finetune_steps, 1), "eval.finetune_batch": (e.finetune_batch, 1)}
+                    "eval.finetune_steps": (e.finetune_steps, 1), "eval.finetune_batch": (e.finetune_batch, 1),
+                    "eval.validate_every": (e.validate_every, 1)}
         for key, (value, low) in at_least.items():
             if value < low:
                 hint = "; pass a positive --max-steps" if key == "train.max_steps" else ""
@@ -303,6 +306,9 @@ class JobConfig:
         if not (t.lr > 0 and t.min_lr >= 0 and 0 <= d.min_live_fraction <= 1 and 0 < self.model.mask_ratio < 1):
             raise SFMError("train.lr must be > 0, train.min_lr >= 0, data.min_live_fraction in [0, 1] and "
                            "model.mask_ratio in (0, 1)")
+        if not 0 <= e.validation < 1:
+            raise SFMError(f"eval.validation = {e.validation}: the held-out fraction of each labelled volume "
+                           "must be in [0, 1) (0: no early stopping)")
         if any(not 0 < f < 1 for f in t.snapshots):
             raise SFMError(f"train.snapshots = {list(t.snapshots)}: each must be a fraction of the steps in (0, 1)")
         from sfm.data.regions import RegionSettings  # the loader's own check of its region settings

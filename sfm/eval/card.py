@@ -163,7 +163,8 @@ def fault_panels(example: dict[str, Any]) -> dict[str, Image.Image]:
 
 
 def downstream_table(metrics: dict[str, Any]) -> list[list[str]]:
-    """Rows per budget: fine-tuned AP (pretrained, random, gain, every seed), F1 and IoU, frozen probes' AP."""
+    """Rows per budget: fine-tuned AP (pretrained, random, gain, every seed), F1 and IoU, frozen probes' AP,
+    and the fine-tuning step early stopping kept for each seed."""
     rows = []
     for b in metrics["downstream"]["recipe"]["budgets"]:
         row = [str(b), f"{metrics[f'ft_ap_b{b}']:.4f}", f"{metrics[f'ft_ap_random_b{b}']:.4f}",
@@ -173,6 +174,9 @@ def downstream_table(metrics: dict[str, Any]) -> list[list[str]]:
         for kind in ("linear", "knn"):
             key = f"{kind}_ap_b{b}"
             row.append(f"{metrics[key]:.4f} / {metrics[f'{kind}_ap_random_b{b}']:.4f}" if key in metrics else "-")
+        runs = metrics["downstream"]["budgets"][str(b)]
+        kept = [[r.get("steps") for r in runs[f"ft_{init}"]] for init in ("pretrained", "random")]
+        row.append(" / ".join(",".join(str(s) for s in steps) for steps in kept))
         rows.append(row)
     return rows
 
@@ -208,12 +212,14 @@ def evaluation_components(model_url: str, held_out_stores: list[str], train_summ
             "## Downstream: fault segmentation fine-tuned from the pretrained encoder and from random "
             "initialisation\n\nAverage precision of fault voxels on held-out labelled volumes (higher is better), "
             "per number of labelled training volumes; every seed is a dot. F1 / IoU at the threshold chosen on "
-            "the training volumes. Frozen probes: linear head / kNN on the frozen tokens, pretrained / random."))
+            "the training volumes. Frozen probes: linear head / kNN on the frozen tokens, pretrained / random. "
+            "Both inits stop early on the held-out last quarter of each labelled volume's inlines (steps kept "
+            "per seed)."))
         components.append(CardImage.from_pil_image(label_efficiency_plot(metrics["downstream"]),
                                                    label="label efficiency: AP against labelled volumes"))
         components.append(Table(downstream_table(metrics), headers=[
             "labelled volumes", "AP pretrained", "AP random", "gain", "every seed gained", "F1 pre / rnd",
-            "IoU pre / rnd", "linear probe AP pre / rnd", "kNN AP pre / rnd"]))
+            "IoU pre / rnd", "linear probe AP pre / rnd", "kNN AP pre / rnd", "steps kept pre / rnd"]))
         if figures.get("faults"):
             faults = figures["faults"]
             components.append(Markdown(f"### One test volume (middle inline), fine-tuned on {faults['budget']} "

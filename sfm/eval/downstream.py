@@ -7,7 +7,7 @@ and report the gain. Gains are largest with the fewest labels, so the budgets ar
 
 Data: FaultSeg3D-like labelled volumes from :func:`sfm.ingest.geology.synthesize_volume`, normalised the way
 the training sampler normalises a survey (clipped to the 0.1/99.9 percentiles, standardised). Seeds
-come from :data:`LABELLED_SEED` on, far from any survey seed the pipeline generates for pretraining;
+come from :data:`sfm.eval.labelled.LABELLED_SEED` on, far from any survey seed generated for pretraining;
 the test volumes' seeds are disjoint from the labelled pool's. Any other source of labelled volumes
 (a different generator, real interpretations) can be passed to :func:`evaluate_downstream` instead.
 
@@ -23,6 +23,12 @@ Frozen probes, with no hand-made features: the same linear head trained on the f
 tokens, and k-nearest neighbours (each test token's voxels get the mean label patch of its most
 similar training tokens, cosine similarity).
 
+Early stopping, the same for both initialisations: the labels of the last quarter of each labelled
+volume's inlines (``validation``) are held out of fine-tuning, and the network keeps the weights of the
+step (every ``validate_every``) with the best validation AP. It stays inside the label budget, and it
+lets each initialisation stop where it is best: a pretrained encoder overfits a single labelled volume
+within tens of steps, while a random one is still learning.
+
 Scores, over every voxel of the test volumes: average precision of the fault class (threshold free),
 and F1 / IoU at the threshold that maximises F1 on the training volumes.
 """
@@ -32,17 +38,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-LABELLED_SEED = 1_000_000  # labelled pool: seeds LABELLED_SEED, +1, ...; pretraining surveys use small seeds
-TEST_SEED = 2_000_000  # held-out test volumes: TEST_SEED, +1, ...
-
-Volume = tuple[np.ndarray, np.ndarray]  # amplitude float32 [IL, XL, NS] normalised, faults uint8 [IL, XL, NS]
+from sfm.eval.labelled import (LABELLED_SEED, TEST_SEED, Held, Volume, budget_volumes, cut, labelled_volumes,
+                               random_crops, split_for_validation, tiles)
 
 
 @dataclass
@@ -64,24 +68,8 @@ class Recipe:
     weight_decay: float = 0.05
     warmup_fraction: float = 0.1
     probe_steps: int = 300  # frozen linear probe: full-batch steps on precomputed tokens
-
-
-def normalise(amplitude: np.ndarray) -> np.ndarray:
-    """Clip to the 0.1/99.9 percentiles and standardise, as the training sampler treats a survey."""
-    lo, hi = np.percentile(amplitude, (0.1, 99.9))
-    clipped = np.clip(amplitude, lo, hi)
-    return ((clipped - clipped.mean()) / (clipped.std() or 1.0)).astype(np.float32)
-
-
-def labelled_volumes(count: int, shape: Sequence[int], first_seed: int) -> list[Volume]:
-    """``count`` generated volumes (seeds ``first_seed`` ...): (normalised amplitude, fault labels)."""
-    from sfm.ingest.geology import synthesize_volume
-
-    out = []
-    for k in range(count):
-        amplitude, faults = synthesize_volume(tuple(shape), first_seed + k)
-        out.append((normalise(amplitude), faults))
-    return out
+    validation: float = 0.25  # early stopping: this fraction of each labelled volume's inlines is held out (0: none)
+    validate_every: int = 25  # fine-tuning steps between validation scores
 
 
 # ---- the network ----------------------------------------------------------------------------------
@@ -135,51 +123,6 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-
-# ---- data ------------------------------------------------------------------------------------------
-
-
-def random_crops(volumes: list[Volume], crop: Sequence[int], count: int, rng: np.random.Generator
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``count`` random crops with random inline/crossline flips (and swap when the crop is square in
-    IL x XL): images [count, 1, D, H, W] float32, labels [count, D, H, W] float32."""
-    d, h, w = crop
-    imgs, labels = [], []
-    for _ in range(count):
-        amplitude, faults = volumes[int(rng.integers(len(volumes)))]
-        i, j, k = (int(rng.integers(n - c + 1)) for n, c in zip(amplitude.shape, crop))
-        a, f = amplitude[i:i + d, j:j + h, k:k + w], faults[i:i + d, j:j + h, k:k + w]
-        flip_i, flip_j, swap = rng.integers(0, 2, size=3)
-        if flip_i:
-            a, f = a[::-1], f[::-1]
-        if flip_j:
-            a, f = a[:, ::-1], f[:, ::-1]
-        if swap and d == h:
-            a, f = a.transpose(1, 0, 2), f.transpose(1, 0, 2)
-        imgs.append(np.ascontiguousarray(a))
-        labels.append(np.ascontiguousarray(f))
-    return torch.from_numpy(np.stack(imgs))[:, None], torch.from_numpy(np.stack(labels).astype(np.float32))
-
-
-def tile_origins(n: int, c: int) -> list[int]:
-    """Crop origins along an axis of ``n`` voxels: every ``c``, plus one flush with the end if needed."""
-    if n < c:
-        raise ValueError(f"a labelled volume axis of {n} voxels is smaller than the model's crop of {c}")
-    origins = list(range(0, n - c + 1, c))
-    return origins if origins[-1] + c == n else origins + [n - c]
-
-
-def tiles(shape: Sequence[int], crop: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Origins of the crops that cover a volume of ``shape`` (overlapping only at the far ends)."""
-    axes = [tile_origins(n, c) for n, c in zip(shape, crop)]
-    return [(i, j, k) for i in axes[0] for j in axes[1] for k in axes[2]]
-
-
-def cut(volume: np.ndarray, origins: list[tuple[int, int, int]], crop: Sequence[int]) -> torch.Tensor:
-    """The crops of ``volume`` [IL, XL, NS] at ``origins`` -> [M, 1, D, H, W] float32."""
-    d, h, w = crop
-    return torch.from_numpy(np.stack([volume[i:i + d, j:j + h, k:k + w] for i, j, k in origins]))[:, None].float()
 
 
 @torch.no_grad()
@@ -260,10 +203,21 @@ def balanced_bce(logits: torch.Tensor, labels: torch.Tensor, positive_fraction: 
     return F.binary_cross_entropy_with_logits(logits, labels, weight=weight)
 
 
+def validation_ap(net: FaultSegmenter, held: list[Held]) -> float:
+    """AP of the fault class over the held-out inlines of every validation part."""
+    probs = [predict(net, h.amplitude)[h.first:].ravel() for h in held]
+    return average_precision(np.concatenate(probs), np.concatenate([h.faults[h.first:].ravel() for h in held]))
+
+
 def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *, head: nn.Linear | None = None,
-              freeze_encoder: bool = False) -> FaultSegmenter:
+              freeze_encoder: bool = False, held: list[Held] | None = None) -> FaultSegmenter:
     """Train ``FaultSegmenter(mae)`` (in place: ``mae`` is changed) on random crops of ``train``,
     starting from ``head`` if given (linear probing first, then fine-tuning: LP-FT).
+
+    With ``held`` (validation parts of the same budget), the network is scored every
+    ``recipe.validate_every`` steps and ends with the weights of the best score (early stopping);
+    ``net.chosen_step`` says which step that was (``recipe.steps`` without validation) and
+    ``net.validation`` lists every (step, validation AP).
 
     Everything random (the head's initialisation, the crops, their flips) comes from ``seed``, so two
     encoders fine-tuned with one seed see exactly the same data in the same order.
@@ -277,8 +231,10 @@ def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *,
     optimizer = optimizer_for(net, recipe, freeze_encoder=freeze_encoder)
     rng = np.random.default_rng(seed)
     positive = float(np.mean([f.mean() for _, f in train]))
-    net.train()
+    best: tuple[float, int, dict | None] = (-1.0, recipe.steps, None)
+    history: list[tuple[int, float]] = []
     for step in range(recipe.steps):
+        net.train()
         factor = lr_factor(step, max(1, round(recipe.warmup_fraction * recipe.steps)), recipe.steps)
         for group in optimizer.param_groups:
             group["lr"] = recipe.lr * group["lr_scale"] * factor
@@ -288,6 +244,15 @@ def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         optimizer.step()
+        done = step + 1
+        if held and (done % recipe.validate_every == 0 or done == recipe.steps):
+            score = validation_ap(net, held)
+            history.append((done, score))
+            if score > best[0]:
+                best = (score, done, {k: v.detach().clone() for k, v in net.state_dict().items()})
+    if best[2] is not None:
+        net.load_state_dict(best[2])
+    net.chosen_step, net.validation = best[1], history
     net.eval()
     return net
 
@@ -382,26 +347,22 @@ def knn_probe(mae: nn.Module, train_tokens, test_tokens, train: list[Volume], te
 # ---- the evaluation -----------------------------------------------------------------------------
 
 
-def budget_volumes(pool: list[Volume], budget: int, seed: int) -> list[Volume]:
-    """The ``budget`` labelled volumes of run ``seed``: a seeded draw from the pool (the whole pool at its size)."""
-    pick = np.random.default_rng(seed).permutation(len(pool))[:budget]
-    return [pool[i] for i in sorted(pick)]
-
-
 def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool: list[Volume] | None = None,
-                        test: list[Volume] | None = None, example: dict | None = None, log=print) -> dict[str, Any]:
+                        test: list[Volume] | None = None, example: dict | None = None, log=print,
+                        random_arm: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fine-tune ``model``'s encoder and a randomly initialised copy of its architecture at every label
     budget and seed; frozen probes besides. ``pool``/``test``: labelled volumes (default: generated,
     ``max(budgets)`` for the pool and ``test_volumes`` held out, with disjoint seeds).
 
-    Returns ``downstream``: per budget {"pretrained": [per-seed scores], "random": [...], summary
-    figures}, plus flat headline keys ``ft_ap_gain_b<N>``, ``ft_ap_b<N>``, ``ft_ap_random_b<N>``,
+    ``random_arm``: an earlier result with the same recipe, pool and test volumes whose random-init
+    fine-tuning scores are reused (they do not depend on the evaluated model, e.g. for its snapshots).
+
+    Returns ``downstream``: per budget {"ft_pretrained": [per-seed scores], "ft_random": [...], ...},
+    plus flat headline keys ``ft_ap_gain_b<N>``, ``ft_ap_b<N>``, ``ft_ap_random_b<N>``,
     ``ft_all_seeds_gain_b<N>`` and, with probes, ``linear_ap_*`` / ``knn_ap_*``. ``example``, if given,
     receives the first test volume (``amplitude``, ``faults``) and the fault probability both fine-tuned
     networks give it (``pretrained``, ``random``: [IL, XL, NS]) at the smallest budget, seed 0.
     """
-    from sfm.model.mae import MaskedAutoencoder3D
-
     if recipe is None:
         from sfm.config import EvalConfig
 
@@ -410,7 +371,6 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
     pool = pool if pool is not None else labelled_volumes(max(recipe.budgets), recipe.volume, LABELLED_SEED)
     test = test if test is not None else labelled_volumes(recipe.test_volumes, recipe.volume, TEST_SEED)
     pretrained_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    cfg = model.cfg
     rng_state = torch.get_rng_state()
     results: dict[str, Any] = {"budgets": {}, "recipe": {k: getattr(recipe, k) for k in recipe.__dataclass_fields__},
                                "test_volumes": len(test), "pool_volumes": len(pool),
@@ -424,50 +384,77 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
             for seed in range(recipe.seeds):
                 train = budget_volumes(pool, budget, seed)
                 for init in ("pretrained", "random"):
-                    torch.manual_seed(10_000 + seed)  # the random init of seed s, the same for every budget
-                    mae = MaskedAutoencoder3D(cfg)
-                    if init == "pretrained":
-                        mae.load_state_dict(pretrained_state)
-                    tokens = tokens_of(mae, train)
-                    head = train_linear_head(tokens[0], tokens[1], recipe, seed)
-                    if recipe.probes:
-                        x_test, _, o_test = tokens_of(mae, test)
-                        test_tokens = (x_test, o_test)
-                        runs.setdefault(f"linear_{init}", []).append(
-                            linear_probe(mae, head, tokens, test_tokens, train, test))
-                        if recipe.knn > 0 and seed == 0:  # kNN has no seed of its own: once per budget
-                            runs.setdefault(f"knn_{init}", []).append(
-                                knn_probe(mae, tokens, test_tokens, train, test, recipe.knn))
-                    net = fine_tune(mae, train, recipe, seed, head=head if recipe.linear_first else None)
-                    test_probs = [predict(net, a) for a, _ in test]
-                    score = scores([predict(net, a) for a, _ in train], train, test_probs, test)
-                    if example is not None and budget == min(recipe.budgets) and seed == 0:
-                        example.update(amplitude=test[0][0], faults=test[0][1], budget=budget)
-                        example[init] = test_probs[0]
-                    runs.setdefault(f"ft_{init}", []).append(score)
+                    if init == "random" and random_arm is not None and not recipe.probes:
+                        score = random_arm["downstream"]["budgets"][str(budget)]["ft_random"][seed]
+                        runs.setdefault("ft_random", []).append(score)
+                        continue
+                    state = pretrained_state if init == "pretrained" else None
+                    for kind, score in one_run(model.cfg, state, train, test, recipe, seed, example=(
+                            example if example is not None and budget == min(recipe.budgets) and seed == 0
+                            else None), init=init).items():
+                        runs.setdefault(f"{kind}_{init}", []).append(score)
+                    score = runs[f"ft_{init}"][-1]
                     log(f"sfm downstream: budget {budget} seed {seed} {init}: AP {score['ap']:.4f} "
-                        f"F1 {score['f1']:.4f} ({time.perf_counter() - t0:.0f}s)")
-            summary = {name: runs[name] for name in runs}
-            for kind in ("ft", "linear", "knn"):
-                if f"{kind}_pretrained" not in runs:
-                    continue
-                pre = np.array([r["ap"] for r in runs[f"{kind}_pretrained"]])
-                rnd = np.array([r["ap"] for r in runs[f"{kind}_random"]])
-                n = min(len(pre), len(rnd))
-                gains = pre[:n] - rnd[:n]
-                flat[f"{kind}_ap_b{budget}"] = float(pre.mean())
-                flat[f"{kind}_ap_random_b{budget}"] = float(rnd.mean())
-                flat[f"{kind}_ap_gain_b{budget}"] = float(gains.mean())
-                flat[f"{kind}_all_seeds_gain_b{budget}"] = bool((gains > 0).all())
-                flat[f"{kind}_min_gain_b{budget}"] = float(gains.min())
-                for metric in ("f1", "iou"):
-                    flat[f"{kind}_{metric}_b{budget}"] = float(np.mean([r[metric] for r in runs[f"{kind}_pretrained"]]))
-                    flat[f"{kind}_{metric}_random_b{budget}"] = float(np.mean([r[metric] for r in runs[f"{kind}_random"]]))
-            results["budgets"][str(budget)] = summary
+                        f"F1 {score['f1']:.4f}, step {score['steps']} ({time.perf_counter() - t0:.0f}s)")
+            flat.update(gains(runs, budget))
+            results["budgets"][str(budget)] = runs
     finally:
         torch.set_rng_state(rng_state)
     results["seconds"] = time.perf_counter() - t0
     return {"downstream": results, **flat}
+
+
+def one_run(cfg, state: dict | None, train: list[Volume], test: list[Volume], recipe: Recipe, seed: int, *,
+            init: str, example: dict | None = None) -> dict[str, dict[str, float]]:
+    """One paired run: the encoder of architecture ``cfg`` (weights ``state``, or seed ``seed``'s random
+    init when None) probed frozen and fine-tuned on ``train``, scored on ``test``: {"ft": scores,
+    "linear": ..., "knn": ...} (the probes as the recipe asks)."""
+    from sfm.model.mae import MaskedAutoencoder3D
+
+    torch.manual_seed(10_000 + seed)  # the random init of seed s, the same for every budget
+    mae = MaskedAutoencoder3D(cfg)
+    if state is not None:
+        mae.load_state_dict(state)
+    out: dict[str, dict[str, float]] = {}
+    fit, held = split_for_validation(train, recipe.validation, cfg.crop)
+    tokens = tokens_of(mae, train)
+    head = train_linear_head(tokens[0], tokens[1], recipe, seed)
+    if recipe.probes:
+        x_test, _, o_test = tokens_of(mae, test)
+        out["linear"] = linear_probe(mae, head, tokens, (x_test, o_test), train, test)
+        if recipe.knn > 0 and seed == 0:  # kNN has no seed of its own: once per budget
+            out["knn"] = knn_probe(mae, tokens, (x_test, o_test), train, test, recipe.knn)
+    start = None
+    if recipe.linear_first:  # the LP-FT head sees only the labels fine-tuning may see
+        start = head if not held else train_linear_head(*tokens_of(mae, fit)[:2], recipe, seed)
+    net = fine_tune(mae, fit, recipe, seed, head=start, held=held)
+    test_probs = [predict(net, a) for a, _ in test]
+    out["ft"] = {**scores([predict(net, a) for a, _ in train], train, test_probs, test), "steps": net.chosen_step}
+    if example is not None:
+        example.update(amplitude=test[0][0], faults=test[0][1], budget=len(train))
+        example[init] = test_probs[0]
+    return out
+
+
+def gains(runs: dict[str, list[dict[str, float]]], budget: int) -> dict[str, Any]:
+    """The headline figures of one budget: mean AP of both inits, the paired gains, F1 and IoU."""
+    flat: dict[str, Any] = {}
+    for kind in ("ft", "linear", "knn"):
+        if f"{kind}_pretrained" not in runs:
+            continue
+        pre = np.array([r["ap"] for r in runs[f"{kind}_pretrained"]])
+        rnd = np.array([r["ap"] for r in runs[f"{kind}_random"]])
+        n = min(len(pre), len(rnd))
+        paired = pre[:n] - rnd[:n]
+        flat[f"{kind}_ap_b{budget}"] = float(pre.mean())
+        flat[f"{kind}_ap_random_b{budget}"] = float(rnd.mean())
+        flat[f"{kind}_ap_gain_b{budget}"] = float(paired.mean())
+        flat[f"{kind}_all_seeds_gain_b{budget}"] = bool((paired > 0).all())
+        flat[f"{kind}_min_gain_b{budget}"] = float(paired.min())
+        for metric in ("f1", "iou"):
+            flat[f"{kind}_{metric}_b{budget}"] = float(np.mean([r[metric] for r in runs[f"{kind}_pretrained"]]))
+            flat[f"{kind}_{metric}_random_b{budget}"] = float(np.mean([r[metric] for r in runs[f"{kind}_random"]]))
+    return flat
 
 
 def recipe_of(eval_cfg) -> Recipe:
@@ -475,7 +462,7 @@ def recipe_of(eval_cfg) -> Recipe:
     e = eval_cfg
     return Recipe(budgets=tuple(e.budgets), seeds=e.seeds, test_volumes=e.test_volumes, volume=tuple(e.volume),
                   steps=e.finetune_steps, batch_size=e.finetune_batch, lr=e.finetune_lr, layer_decay=e.layer_decay,
-                  probes=e.probes, knn=e.knn)
+                  probes=e.probes, knn=e.knn, validation=e.validation, validate_every=e.validate_every)
 
 
 def summarize(metrics: dict[str, Any]) -> str:

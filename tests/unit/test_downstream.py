@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from sfm.eval import downstream
+from sfm.eval import downstream, labelled
 from sfm.config import EvalConfig
 from sfm.model import mae_config
 from sfm.model.mae import MaskedAutoencoder3D
@@ -52,10 +52,10 @@ def test_best_threshold_maximises_f1():
 
 
 def test_tiles_cover_every_voxel_and_predictions_average_overlaps():
-    assert downstream.tile_origins(64, 32) == [0, 32]
-    assert downstream.tile_origins(70, 32) == [0, 32, 38]
+    assert labelled.tile_origins(64, 32) == [0, 32]
+    assert labelled.tile_origins(70, 32) == [0, 32, 38]
     with pytest.raises(ValueError, match="smaller than the model's crop"):
-        downstream.tile_origins(16, 32)
+        labelled.tile_origins(16, 32)
     # a head that reads each voxel's own amplitude: predictions must reproduce sigmoid(amplitude) exactly
     torch.manual_seed(0)
     net = downstream.FaultSegmenter(MaskedAutoencoder3D(mae_config("tiny")))
@@ -66,14 +66,14 @@ def test_tiles_cover_every_voxel_and_predictions_average_overlaps():
 
 
 def test_labelled_volumes_are_normalised_and_seeded():
-    a = downstream.labelled_volumes(2, (32, 32, 48), 123)
-    b = downstream.labelled_volumes(2, (32, 32, 48), 123)
+    a = labelled.labelled_volumes(2, (32, 32, 48), 123)
+    b = labelled.labelled_volumes(2, (32, 32, 48), 123)
     assert all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) for x, y in zip(a, b))
     assert not np.array_equal(a[0][0], a[1][0])
     for amplitude, faults in a:
         assert abs(float(amplitude.mean())) < 1e-4 and float(amplitude.std()) == pytest.approx(1.0, abs=1e-4)
         assert 0 < faults.mean() < 0.5
-    assert downstream.TEST_SEED - downstream.LABELLED_SEED >= 1_000_000  # pool and test seeds never meet
+    assert labelled.TEST_SEED - labelled.LABELLED_SEED >= 1_000_000  # pool and test seeds never meet
 
 
 # ---- the evaluation on the tiny preset ---------------------------------------------------------------
@@ -86,8 +86,8 @@ RECIPE = downstream.recipe_of(EvalConfig(budgets=(1,), seeds=2, test_volumes=2, 
 
 @pytest.fixture(scope="module")
 def volumes():
-    pool = downstream.labelled_volumes(2, RECIPE.volume, downstream.LABELLED_SEED)
-    test = downstream.labelled_volumes(2, RECIPE.volume, downstream.TEST_SEED)
+    pool = labelled.labelled_volumes(2, RECIPE.volume, labelled.LABELLED_SEED)
+    test = labelled.labelled_volumes(2, RECIPE.volume, labelled.TEST_SEED)
     return pool, test
 
 
@@ -97,7 +97,7 @@ def fault_trained_encoder():
     outside the evaluation's pool and test sets, so its tokens carry fault features."""
     torch.manual_seed(0)
     mae = MaskedAutoencoder3D(mae_config("tiny", **TINY))
-    train = downstream.labelled_volumes(6, (32, 32, 64), 3_000_000)
+    train = labelled.labelled_volumes(6, (32, 32, 64), 3_000_000)
     recipe = downstream.recipe_of(EvalConfig(finetune_steps=300, finetune_batch=4, finetune_lr=2e-3, layer_decay=1.0))
     downstream.fine_tune(mae, train, recipe, seed=5)
     return mae
@@ -130,3 +130,46 @@ def test_same_seeds_give_the_same_scores(fault_trained_encoder, volumes):
     assert first["downstream"]["budgets"] == second["downstream"]["budgets"]
     # the evaluation fine-tunes copies: the encoder it was given is untouched
     assert all(torch.equal(v, fault_trained_encoder.state_dict()[k]) for k, v in state.items())
+
+
+def test_validation_holds_out_labels_fine_tuning_never_sees():
+    amplitude = np.arange(64 * 8 * 16, dtype=np.float32).reshape(64, 8, 16)
+    faults = (np.arange(64)[:, None, None] % 3 == 0).repeat(8, 1).repeat(16, 2).astype(np.uint8)
+    fit, held = labelled.split_for_validation([(amplitude, faults)], 0.25, (32, 8, 16))
+    (fit_a, fit_f), = fit
+    assert fit_a.shape[0] == 48 and np.array_equal(fit_a, amplitude[:48]) and np.array_equal(fit_f, faults[:48])
+    (h,) = held  # a whole crop of amplitude, of which only the 16 held-out inlines are scored
+    assert h.amplitude.shape[0] == 32 and np.array_equal(h.amplitude, amplitude[32:]) and h.first == 16
+    assert np.array_equal(h.faults[h.first:], faults[48:])
+    # a volume too small to leave a crop for fine-tuning is not split; nor is anything at fraction 0
+    assert labelled.split_for_validation([(amplitude[:40], faults[:40])], 0.25, (32, 8, 16))[1] == []
+    assert labelled.split_for_validation([(amplitude, faults)], 0.0, (32, 8, 16))[1] == []
+
+
+def test_fine_tuning_keeps_the_step_with_the_best_validation_score(volumes):
+    pool, _ = volumes
+    train = [(np.concatenate([a, a[::-1]]), np.concatenate([f, f[::-1]])) for a, f in pool[:1]]  # 64 inlines
+    torch.manual_seed(0)
+    mae = MaskedAutoencoder3D(mae_config("tiny", **TINY))
+    recipe = downstream.recipe_of(EvalConfig(finetune_steps=12, finetune_batch=2, validate_every=4))
+    fit, held = labelled.split_for_validation(train, recipe.validation, mae.cfg.crop)
+    net = downstream.fine_tune(mae, fit, recipe, seed=0, held=held)
+    steps, aps = zip(*net.validation)
+    assert steps == (4, 8, 12)
+    assert net.chosen_step == steps[int(np.argmax(aps))]
+    assert downstream.validation_ap(net, held) == pytest.approx(max(aps), abs=1e-6)
+
+
+def test_the_random_arm_does_not_depend_on_the_evaluated_encoder(fault_trained_encoder, volumes):
+    """Which is why the snapshots of a run may reuse its random-init scores (``random_arm``)."""
+    recipe = downstream.recipe_of(EvalConfig(budgets=(1,), seeds=2, test_volumes=1, volume=(32, 32, 64),
+                                             finetune_steps=10, probes=False))
+    pool, test = volumes[0], volumes[1][:1]
+    first = downstream.evaluate_downstream(fault_trained_encoder, recipe, pool=pool, test=test)
+    torch.manual_seed(7)
+    other = MaskedAutoencoder3D(mae_config("tiny", **TINY))
+    full = downstream.evaluate_downstream(other, recipe, pool=pool, test=test)
+    reused = downstream.evaluate_downstream(other, recipe, pool=pool, test=test, random_arm=first)
+    runs = [r["downstream"]["budgets"]["1"] for r in (first, full, reused)]
+    assert runs[0]["ft_random"] == runs[1]["ft_random"] == runs[2]["ft_random"]
+    assert runs[1]["ft_pretrained"] == runs[2]["ft_pretrained"] != runs[0]["ft_pretrained"]

@@ -1,0 +1,115 @@
+"""Labelled volumes for the downstream evaluation (sfm.eval.downstream): generated, normalised, cut.
+
+- :func:`labelled_volumes`: FaultSeg3D-like volumes from :func:`sfm.ingest.geology.synthesize_volume`,
+  normalised the way the training sampler normalises a survey; the pool's seeds and the test seeds are
+  disjoint, and far from every survey seed the pipeline generates for pretraining.
+- :func:`random_crops`: fine-tuning batches with flips and inline/crossline swap.
+- :func:`tiles` / :func:`cut`: the crops that cover a whole volume, for prediction.
+- :func:`split_for_validation`: the held-out inlines early stopping scores, inside the label budget.
+- :func:`budget_volumes`: the volumes of one run's label budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+LABELLED_SEED = 1_000_000  # labelled pool: seeds LABELLED_SEED, +1, ...; pretraining surveys use small seeds
+TEST_SEED = 2_000_000  # held-out test volumes: TEST_SEED, +1, ...
+Volume = tuple[np.ndarray, np.ndarray]  # amplitude float32 [IL, XL, NS] normalised, faults uint8 [IL, XL, NS]
+
+
+def normalise(amplitude: np.ndarray) -> np.ndarray:
+    """Clip to the 0.1/99.9 percentiles and standardise, as the training sampler treats a survey."""
+    lo, hi = np.percentile(amplitude, (0.1, 99.9))
+    clipped = np.clip(amplitude, lo, hi)
+    return ((clipped - clipped.mean()) / (clipped.std() or 1.0)).astype(np.float32)
+
+
+def labelled_volumes(count: int, shape: Sequence[int], first_seed: int) -> list[Volume]:
+    """``count`` generated volumes (seeds ``first_seed`` ...): (normalised amplitude, fault labels)."""
+    from sfm.ingest.geology import synthesize_volume
+
+    out = []
+    for k in range(count):
+        amplitude, faults = synthesize_volume(tuple(shape), first_seed + k)
+        out.append((normalise(amplitude), faults))
+    return out
+
+
+def random_crops(volumes: list[Volume], crop: Sequence[int], count: int, rng: np.random.Generator
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` random crops with random inline/crossline flips (and swap when the crop is square in
+    IL x XL): images [count, 1, D, H, W] float32, labels [count, D, H, W] float32."""
+    d, h, w = crop
+    imgs, labels = [], []
+    for _ in range(count):
+        amplitude, faults = volumes[int(rng.integers(len(volumes)))]
+        i, j, k = (int(rng.integers(n - c + 1)) for n, c in zip(amplitude.shape, crop))
+        a, f = amplitude[i:i + d, j:j + h, k:k + w], faults[i:i + d, j:j + h, k:k + w]
+        flip_i, flip_j, swap = rng.integers(0, 2, size=3)
+        if flip_i:
+            a, f = a[::-1], f[::-1]
+        if flip_j:
+            a, f = a[:, ::-1], f[:, ::-1]
+        if swap and d == h:
+            a, f = a.transpose(1, 0, 2), f.transpose(1, 0, 2)
+        imgs.append(np.ascontiguousarray(a))
+        labels.append(np.ascontiguousarray(f))
+    return torch.from_numpy(np.stack(imgs))[:, None], torch.from_numpy(np.stack(labels).astype(np.float32))
+
+
+def tile_origins(n: int, c: int) -> list[int]:
+    """Crop origins along an axis of ``n`` voxels: every ``c``, plus one flush with the end if needed."""
+    if n < c:
+        raise ValueError(f"a labelled volume axis of {n} voxels is smaller than the model's crop of {c}")
+    origins = list(range(0, n - c + 1, c))
+    return origins if origins[-1] + c == n else origins + [n - c]
+
+
+def tiles(shape: Sequence[int], crop: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Origins of the crops that cover a volume of ``shape`` (overlapping only at the far ends)."""
+    axes = [tile_origins(n, c) for n, c in zip(shape, crop)]
+    return [(i, j, k) for i in axes[0] for j in axes[1] for k in axes[2]]
+
+
+def cut(volume: np.ndarray, origins: list[tuple[int, int, int]], crop: Sequence[int]) -> torch.Tensor:
+    """The crops of ``volume`` [IL, XL, NS] at ``origins`` -> [M, 1, D, H, W] float32."""
+    d, h, w = crop
+    return torch.from_numpy(np.stack([volume[i:i + d, j:j + h, k:k + w] for i, j, k in origins]))[:, None].float()
+
+
+@dataclass
+class Held:
+    """The validation part of a labelled volume: ``amplitude``/``faults`` [C, XL, NS] cut so that a crop
+    fits, of which only inlines ``first:`` are scored (the ones before are training labels)."""
+
+    amplitude: np.ndarray
+    faults: np.ndarray
+    first: int
+
+
+def split_for_validation(volumes: list[Volume], fraction: float, crop: Sequence[int]
+                         ) -> tuple[list[Volume], list[Held]]:
+    """Hold out the labels of the last ``fraction`` of each volume's inlines: (the volumes cut to the
+    inlines before, for fine-tuning; the held-out parts, for validation). No split (``[]``) where a
+    volume would leave less than a crop to fine-tune on, or ``fraction`` is 0."""
+    fit, held = [], []
+    for amplitude, faults in volumes:
+        n, c = amplitude.shape[0], crop[0]
+        slab = max(1, round(n * fraction)) if fraction > 0 else 0
+        if slab == 0 or n - slab < c:
+            return list(volumes), []
+        start = n - max(c, slab)
+        fit.append((amplitude[:n - slab], faults[:n - slab]))
+        held.append(Held(amplitude[start:], faults[start:], max(c, slab) - slab))
+    return fit, held
+
+
+def budget_volumes(pool: list[Volume], budget: int, seed: int) -> list[Volume]:
+    """The ``budget`` labelled volumes of run ``seed``: a seeded draw from the pool (the whole pool at its size)."""
+    pick = np.random.default_rng(seed).permutation(len(pool))[:budget]
+    return [pool[i] for i in sorted(pick)]
