@@ -354,8 +354,9 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
     budget and seed; frozen probes besides. ``pool``/``test``: labelled volumes (default: generated,
     ``max(budgets)`` for the pool and ``test_volumes`` held out, with disjoint seeds).
 
-    ``random_arm``: an earlier result with the same recipe, pool and test volumes whose random-init
-    fine-tuning scores are reused (they do not depend on the evaluated model, e.g. for its snapshots).
+    ``random_arm``: an earlier result with the same fine-tuning recipe, pool and test volumes whose
+    random-init fine-tuning scores are reused when ``recipe.probes`` is off (they do not depend on the
+    evaluated model, e.g. for its snapshots); a different fine-tuning recipe is refused.
 
     Returns ``downstream``: per budget {"ft_pretrained": [per-seed scores], "ft_random": [...], ...},
     plus flat headline keys ``ft_ap_gain_b<N>``, ``ft_ap_b<N>``, ``ft_ap_random_b<N>``,
@@ -370,6 +371,12 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
     t0 = time.perf_counter()
     pool = pool if pool is not None else labelled_volumes(max(recipe.budgets), recipe.volume, LABELLED_SEED)
     test = test if test is not None else labelled_volumes(recipe.test_volumes, recipe.volume, TEST_SEED)
+    if random_arm is not None:
+        earlier = random_arm["downstream"]["recipe"]
+        differs = [k for k in recipe.__dataclass_fields__
+                   if k not in ("budgets", "probes", "knn") and _plain(earlier.get(k)) != _plain(getattr(recipe, k))]
+        if differs:
+            raise ValueError(f"random_arm was fine-tuned with another recipe ({', '.join(differs)} differ)")
     pretrained_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     rng_state = torch.get_rng_state()
     results: dict[str, Any] = {"budgets": {}, "recipe": {k: getattr(recipe, k) for k in recipe.__dataclass_fields__},
@@ -383,15 +390,15 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
             runs: dict[str, list[dict[str, float]]] = {}
             for seed in range(recipe.seeds):
                 train = budget_volumes(pool, budget, seed)
+                shown = example if budget == min(recipe.budgets) and seed == 0 else None
                 for init in ("pretrained", "random"):
                     if init == "random" and random_arm is not None and not recipe.probes:
                         score = random_arm["downstream"]["budgets"][str(budget)]["ft_random"][seed]
                         runs.setdefault("ft_random", []).append(score)
                         continue
                     state = pretrained_state if init == "pretrained" else None
-                    for kind, score in one_run(model.cfg, state, train, test, recipe, seed, example=(
-                            example if example is not None and budget == min(recipe.budgets) and seed == 0
-                            else None), init=init).items():
+                    for kind, score in one_run(model.cfg, state, train, test, recipe, seed, init=init,
+                                               example=shown).items():
                         runs.setdefault(f"{kind}_{init}", []).append(score)
                     score = runs[f"ft_{init}"][-1]
                     log(f"sfm downstream: budget {budget} seed {seed} {init}: AP {score['ap']:.4f} "
@@ -402,6 +409,11 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
         torch.set_rng_state(rng_state)
     results["seconds"] = time.perf_counter() - t0
     return {"downstream": results, **flat}
+
+
+def _plain(value: Any) -> Any:
+    """A recipe field as it reads back from a result's JSON (tuples as lists)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def one_run(cfg, state: dict | None, train: list[Volume], test: list[Volume], recipe: Recipe, seed: int, *,
@@ -417,8 +429,10 @@ def one_run(cfg, state: dict | None, train: list[Volume], test: list[Volume], re
         mae.load_state_dict(state)
     out: dict[str, dict[str, float]] = {}
     fit, held = split_for_validation(train, recipe.validation, cfg.crop)
-    tokens = tokens_of(mae, train)
-    head = train_linear_head(tokens[0], tokens[1], recipe, seed)
+    head = None  # the linear probe of the whole budget's frozen tokens
+    if recipe.probes or (recipe.linear_first and not held):
+        tokens = tokens_of(mae, train)
+        head = train_linear_head(tokens[0], tokens[1], recipe, seed)
     if recipe.probes:
         x_test, _, o_test = tokens_of(mae, test)
         out["linear"] = linear_probe(mae, head, tokens, (x_test, o_test), train, test)

@@ -103,9 +103,9 @@ def split_for_validation(volumes: list[Volume], fraction: float, crop: Sequence[
         slab = max(1, round(n * fraction)) if fraction > 0 else 0
         if slab == 0 or n - slab < c:
             return list(volumes), []
-        start = n - max(c, slab)
+        width = max(c, slab)  # a whole crop of amplitude around the held-out inlines
         fit.append((amplitude[:n - slab], faults[:n - slab]))
-        held.append(Held(amplitude[start:], faults[start:], max(c, slab) - slab))
+        held.append(Held(amplitude[n - width:], faults[n - width:], width - slab))
     return fit, held
 
 
