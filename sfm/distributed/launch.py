@@ -7,6 +7,7 @@ address from ``current.parallel``; on Slurm the same call runs under srun. Each 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -26,13 +27,31 @@ def free_port() -> int:
 
 
 def port_for(key: str) -> int:
-    """A rendezvous port every node derives alike from a shared key (e.g. the run id)."""
-    return 20000 + int(hashlib.sha256(key.encode()).hexdigest(), 16) % 20000
+    """A rendezvous port every node derives alike from a shared key (e.g. the run id).
+
+    Drawn from 20000-31999, below Linux's ephemeral range (32768-60999 by default), so an outgoing
+    connection of this or another process (an S3 client, a data loader) cannot be holding it."""
+    return 20000 + int(hashlib.sha256(key.encode()).hexdigest(), 16) % 12000
+
+
+def _port_taken(addr: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((addr, port))
+        except OSError as err:
+            return err.errno == errno.EADDRINUSE
+    return False
 
 
 def launch_node(job: dict[str, Any], *, nodes: int, procs_per_node: int, node_rank: int, main_addr: str,
                 main_port: int, timeout_s: int | None = None) -> None:
-    """Run this node's share of the training job; raises if any of its processes fails."""
+    """Run this node's share of the training job; raises if any of its processes fails.
+
+    A single-node job whose ``main_port`` is already taken on this machine (by a listener of some other
+    program) rendezvouses on a free port instead: no other node has to agree on it."""
+    if nodes == 1 and _port_taken(main_addr, main_port):
+        main_port = free_port()
     with tempfile.TemporaryDirectory(prefix="sfm-launch-") as tmp:
         job_path = os.path.join(tmp, "job.json")
         with open(job_path, "w") as fh:
