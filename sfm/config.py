@@ -205,6 +205,8 @@ class EvalConfig:
     downstream: bool = True  # false: reconstruction metrics only (fast test runs)
     budgets: tuple[int, ...] = (1, 4)  # labelled volumes per fine-tuning run (configs/quality_cpu.toml: 1, 4, 16)
     seeds: int = 3  # paired seeds per budget (pretrained and random see the same crops)
+    pool_volumes: int = 0  # labelled volumes the budgets draw from; 0: the largest budget (whatever budgets
+    # a run evaluates, the same pool_volumes give every budget the same draws: flow and benchmark agree)
     test_volumes: int = 4  # held-out labelled volumes, seeds disjoint from the labelled pool's
     volume: tuple[int, int, int] = (64, 64, 64)  # labelled volume shape (IL, XL, NS)
     finetune_steps: int = 60
@@ -296,7 +298,7 @@ class JobConfig:
                     "train.keep_checkpoints": (t.keep_checkpoints, 0), "train.log_every": (t.log_every, 1),
                     "eval.crops": (e.crops, 1), "eval.seeds": (e.seeds, 1), "eval.test_volumes": (e.test_volumes, 1),
                     "eval.finetune_steps": (e.finetune_steps, 1), "eval.finetune_batch": (e.finetune_batch, 1),
-                    "eval.validate_every": (e.validate_every, 1)}
+                    "eval.validate_every": (e.validate_every, 1), "eval.pool_volumes": (e.pool_volumes, 0)}
         for key, (value, low) in at_least.items():
             if value < low:
                 hint = "; pass a positive --max-steps" if key == "train.max_steps" else ""

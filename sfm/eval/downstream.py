@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sfm.eval.labelled import (LABELLED_SEED, TEST_SEED, Held, Volume, budget_volumes, cut, labelled_volumes,
-                               random_crops, split_for_validation, tiles)
+                               pool_size, random_crops, split_for_validation, tiles)
 
 
 @dataclass
@@ -57,6 +57,7 @@ class Recipe:
     budgets: tuple[int, ...]  # labelled training volumes per run
     seeds: int  # paired seeds per budget
     test_volumes: int
+    pool_volumes: int  # labelled volumes the budgets draw from (0: the largest budget)
     volume: tuple[int, int, int]  # labelled volume shape (IL, XL, NS)
     steps: int  # fine-tuning steps per run
     batch_size: int
@@ -233,6 +234,14 @@ def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *,
     positive = float(np.mean([f.mean() for _, f in train]))
     best: tuple[float, int, dict | None] = (-1.0, recipe.steps, None)
     history: list[tuple[int, float]] = []
+
+    def score_step(done: int) -> tuple[float, int, dict | None]:
+        score = validation_ap(net, held)
+        history.append((done, score))
+        return (score, done, {k: v.detach().clone() for k, v in net.state_dict().items()}) if score > best[0] else best
+
+    if held and head is not None:  # LP-FT: the linear probe itself (step 0) is a candidate too
+        best = score_step(0)
     for step in range(recipe.steps):
         net.train()
         factor = lr_factor(step, max(1, round(recipe.warmup_fraction * recipe.steps)), recipe.steps)
@@ -246,10 +255,7 @@ def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *,
         optimizer.step()
         done = step + 1
         if held and (done % recipe.validate_every == 0 or done == recipe.steps):
-            score = validation_ap(net, held)
-            history.append((done, score))
-            if score > best[0]:
-                best = (score, done, {k: v.detach().clone() for k, v in net.state_dict().items()})
+            best = score_step(done)
     if best[2] is not None:
         net.load_state_dict(best[2])
     net.chosen_step, net.validation = best[1], history
@@ -369,7 +375,8 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
 
         recipe = recipe_of(EvalConfig())
     t0 = time.perf_counter()
-    pool = pool if pool is not None else labelled_volumes(max(recipe.budgets), recipe.volume, LABELLED_SEED)
+    if pool is None:
+        pool = labelled_volumes(pool_size(recipe.pool_volumes, recipe.budgets), recipe.volume, LABELLED_SEED)
     test = test if test is not None else labelled_volumes(recipe.test_volumes, recipe.volume, TEST_SEED)
     if random_arm is not None:
         earlier = random_arm["downstream"]["recipe"]
@@ -412,8 +419,7 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
 
 
 def _plain(value: Any) -> Any:
-    """A recipe field as it reads back from a result's JSON (tuples as lists)."""
-    return list(value) if isinstance(value, tuple) else value
+    return list(value) if isinstance(value, tuple) else value  # as a recipe field reads back from JSON
 
 
 def one_run(cfg, state: dict | None, train: list[Volume], test: list[Volume], recipe: Recipe, seed: int, *,
@@ -474,7 +480,8 @@ def gains(runs: dict[str, list[dict[str, float]]], budget: int) -> dict[str, Any
 def recipe_of(eval_cfg) -> Recipe:
     """The :class:`Recipe` an ``sfm.config.EvalConfig`` describes."""
     e = eval_cfg
-    return Recipe(budgets=tuple(e.budgets), seeds=e.seeds, test_volumes=e.test_volumes, volume=tuple(e.volume),
+    return Recipe(budgets=tuple(e.budgets), seeds=e.seeds, test_volumes=e.test_volumes, pool_volumes=e.pool_volumes,
+                  volume=tuple(e.volume),
                   steps=e.finetune_steps, batch_size=e.finetune_batch, lr=e.finetune_lr, layer_decay=e.layer_decay,
                   probes=e.probes, knn=e.knn, validation=e.validation, validate_every=e.validate_every)
 

@@ -113,3 +113,8 @@ def budget_volumes(pool: list[Volume], budget: int, seed: int) -> list[Volume]:
     """The ``budget`` labelled volumes of run ``seed``: a seeded draw from the pool (the whole pool at its size)."""
     pick = np.random.default_rng(seed).permutation(len(pool))[:budget]
     return [pool[i] for i in sorted(pick)]
+
+
+def pool_size(pool_volumes: int, budgets: Sequence[int]) -> int:
+    """How many labelled volumes the budgets draw from: ``pool_volumes``, or (0) the largest budget."""
+    return max(pool_volumes, max(budgets))

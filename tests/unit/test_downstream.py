@@ -3,6 +3,8 @@ tells an encoder that holds fault features from a random one, the same way every
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -160,6 +162,24 @@ def test_fine_tuning_keeps_the_step_with_the_best_validation_score(volumes):
     assert downstream.validation_ap(net, held) == pytest.approx(max(aps), abs=1e-6)
 
 
+def test_with_a_linear_probe_to_start_from_the_probe_itself_is_a_candidate(fault_trained_encoder, volumes):
+    """LP-FT: step 0 (the frozen encoder with the probe's head) is scored too, and kept where it validates best."""
+    pool, _ = volumes
+    recipe = downstream.recipe_of(EvalConfig(finetune_steps=8, finetune_batch=2, finetune_lr=5e-2, validate_every=4))
+    train = [(np.concatenate([a, a[::-1]]), np.concatenate([f, f[::-1]])) for a, f in pool[:1]]  # 64 inlines
+    fit, held = labelled.split_for_validation(train, 0.25, TINY["crop"])
+    mae = copy.deepcopy(fault_trained_encoder)
+    head = downstream.train_linear_head(*downstream.tokens_of(mae, fit)[:2], recipe, seed=0)
+    net = downstream.fine_tune(mae, fit, recipe, seed=0, head=head, held=held)
+    steps, aps = zip(*net.validation)
+    assert steps == (0, 4, 8)
+    assert net.chosen_step == steps[int(np.argmax(aps))]
+    if net.chosen_step == 0:  # the weights are the starting ones again
+        assert torch.equal(net.head.weight, head.weight)
+        assert all(torch.equal(v, fault_trained_encoder.state_dict()[k]) for k, v in net.mae.state_dict().items())
+    assert downstream.validation_ap(net, held) == pytest.approx(max(aps), abs=1e-6)
+
+
 def test_the_random_arm_does_not_depend_on_the_evaluated_encoder(fault_trained_encoder, volumes):
     """Which is why the snapshots of a run may reuse its random-init scores (``random_arm``)."""
     recipe = downstream.recipe_of(EvalConfig(budgets=(1,), seeds=2, test_volumes=1, volume=(32, 32, 64),
@@ -176,3 +196,16 @@ def test_the_random_arm_does_not_depend_on_the_evaluated_encoder(fault_trained_e
     longer = downstream.Recipe(**{**vars(recipe), "steps": 20})  # scores of another recipe are not reused
     with pytest.raises(ValueError, match="steps"):
         downstream.evaluate_downstream(other, longer, pool=pool, test=test, random_arm=first)
+
+
+def test_the_pool_does_not_depend_on_which_budgets_a_run_evaluates():
+    """The flow may evaluate budgets 1 and 4 and the benchmark 1, 4 and 16: with one ``pool_volumes``
+    both draw the same volumes for a budget and seed, so their scores can be compared."""
+    few = downstream.recipe_of(EvalConfig(budgets=(1, 4), pool_volumes=16))
+    many = downstream.recipe_of(EvalConfig(budgets=(1, 4, 16), pool_volumes=16))
+    assert labelled.pool_size(few.pool_volumes, few.budgets) == 16
+    assert labelled.pool_size(many.pool_volumes, many.budgets) == 16
+    assert labelled.pool_size(0, (1, 4)) == 4  # 0: the largest budget
+    pool = list(range(16))
+    draw = labelled.budget_volumes
+    assert draw(pool, 4, 2) == draw(pool, 4, 2) != draw(pool, 4, 1)
