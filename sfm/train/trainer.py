@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -368,6 +369,7 @@ def train(job: dict[str, Any]) -> TrainSummary | None:
         if main:
             with contextlib.suppress(Exception):
                 heartbeat.finish(watchdog.last_step or 0, status="failed", error=type(err).__name__)
+        shutil.rmtree(tb_dir, ignore_errors=True)
         raise
     finally:
         watchdog.stop()
@@ -376,6 +378,7 @@ def train(job: dict[str, Any]) -> TrainSummary | None:
         storage.upload(tb_dir, storage.join(run_root, "tensorboard"))
         heartbeat.finish(cfg.train.max_steps, loss=summary.final_loss, samples_per_s=summary.samples_per_s,
                          skipped_nonfinite=guard.skipped, rollbacks=guard.rollbacks)
+    shutil.rmtree(tb_dir, ignore_errors=True)  # the run root holds the logs now
     return summary
 
 

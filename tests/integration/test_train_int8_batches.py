@@ -22,9 +22,12 @@ def int8_store(tmp_path_factory) -> str:
 
 
 @pytest.mark.timeout(600)
-def test_int8_batches_train_as_float32_batches_of_the_same_store(int8_store, tmp_path):
+def test_int8_batches_train_as_float32_batches_of_the_same_store(int8_store, tmp_path, monkeypatch):
     from sfm.distributed.launch import free_port, launch_node
 
+    scratch = tmp_path / "scratch"  # the trainers' temp dir: nothing of theirs may stay behind in it
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
     histories = {}
     for dtype in ("float32", "int8"):
         run_root = tmp_path / dtype
@@ -36,3 +39,5 @@ def test_int8_batches_train_as_float32_batches_of_the_same_store(int8_store, tmp
         histories[dtype] = [h["loss"] for h in json.loads((run_root / "summary.json").read_text())["history"]]
     assert len(histories["int8"]) == 8
     assert histories["int8"] == pytest.approx(histories["float32"], rel=1e-4)
+    assert any((tmp_path / "int8" / "tensorboard").rglob("events.out.tfevents*"))  # the logs went to the run root
+    assert not list(scratch.glob("sfm-tb-*"))
