@@ -203,7 +203,7 @@ class EvalConfig:
     batch_size: int = 8
     seed: int = 1234
     downstream: bool = True  # false: reconstruction metrics only (fast test runs)
-    budgets: tuple[int, ...] = (1, 4)  # labelled volumes per fine-tuning run (configs/quality_cpu.toml: 1, 4, 16)
+    budgets: tuple[int, ...] = (1, 4)  # labelled volumes per fine-tuning run (benchmarks/quality.py: 1, 4, 16)
     seeds: int = 3  # paired seeds per budget (pretrained and random see the same crops)
     pool_volumes: int = 0  # labelled volumes the budgets draw from; 0: the largest budget (whatever budgets
     # a run evaluates, the same pool_volumes give every budget the same draws: flow and benchmark agree)
