@@ -92,9 +92,7 @@ def main() -> None:
     print(f"quality: {version_url}: {model.cfg.to_dict()}", file=sys.stderr)
 
     t0 = time.perf_counter()
-    pool = labelled.labelled_volumes(labelled.pool_size(recipe.pool_volumes, recipe.budgets), recipe.volume,
-                                     labelled.LABELLED_SEED)
-    test = labelled.labelled_volumes(recipe.test_volumes, recipe.volume, labelled.TEST_SEED)
+    pool, test = labelled.evaluation_pool(recipe), labelled.evaluation_test(recipe)
     result = downstream.evaluate_downstream(model, recipe, pool=pool, test=test,
                                             log=lambda line: print(line, file=sys.stderr))
     eval_seconds = time.perf_counter() - t0

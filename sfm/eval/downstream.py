@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sfm.eval.labelled import (LABELLED_SEED, TEST_SEED, Held, Volume, budget_volumes, cut, labelled_volumes,
-                               pool_size, random_crops, split_for_validation, tiles)
+from sfm.eval.labelled import (Held, Volume, budget_volumes, cut, evaluation_pool, evaluation_test, random_crops,
+                               split_for_validation, tiles)
 
 
 @dataclass
@@ -375,9 +375,8 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
 
         recipe = recipe_of(EvalConfig())
     t0 = time.perf_counter()
-    if pool is None:
-        pool = labelled_volumes(pool_size(recipe.pool_volumes, recipe.budgets), recipe.volume, LABELLED_SEED)
-    test = test if test is not None else labelled_volumes(recipe.test_volumes, recipe.volume, TEST_SEED)
+    pool = pool if pool is not None else evaluation_pool(recipe)
+    test = test if test is not None else evaluation_test(recipe)
     if random_arm is not None:
         earlier = random_arm["downstream"]["recipe"]
         differs = [k for k in recipe.__dataclass_fields__

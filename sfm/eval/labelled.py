@@ -118,3 +118,14 @@ def budget_volumes(pool: list[Volume], budget: int, seed: int) -> list[Volume]:
 def pool_size(pool_volumes: int, budgets: Sequence[int]) -> int:
     """How many labelled volumes the budgets draw from: ``pool_volumes``, or (0) the largest budget."""
     return max(pool_volumes, max(budgets))
+
+
+def evaluation_pool(recipe) -> list[Volume]:
+    """The labelled volumes a recipe's budgets draw from (``recipe``: an sfm.eval.downstream.Recipe, or
+    anything with ``pool_volumes``, ``budgets`` and ``volume``), seeds from :data:`LABELLED_SEED` on."""
+    return labelled_volumes(pool_size(recipe.pool_volumes, recipe.budgets), recipe.volume, LABELLED_SEED)
+
+
+def evaluation_test(recipe) -> list[Volume]:
+    """A recipe's held-out test volumes (``test_volumes`` of ``volume``), seeds from :data:`TEST_SEED` on."""
+    return labelled_volumes(recipe.test_volumes, recipe.volume, TEST_SEED)

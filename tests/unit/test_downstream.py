@@ -206,6 +206,9 @@ def test_the_pool_does_not_depend_on_which_budgets_a_run_evaluates():
     assert labelled.pool_size(few.pool_volumes, few.budgets) == 16
     assert labelled.pool_size(many.pool_volumes, many.budgets) == 16
     assert labelled.pool_size(0, (1, 4)) == 4  # 0: the largest budget
-    pool = list(range(16))
-    draw = labelled.budget_volumes
-    assert draw(pool, 4, 2) == draw(pool, 4, 2) != draw(pool, 4, 1)
+    small = [downstream.recipe_of(EvalConfig(budgets=b, pool_volumes=3, volume=(32, 32, 64))) for b in ((1,), (1, 2))]
+    pools = [labelled.evaluation_pool(r) for r in small]
+    assert len(pools[0]) == len(pools[1]) == 3
+    assert all(np.array_equal(a, b) and np.array_equal(f, g) for (a, f), (b, g) in zip(*pools))
+    draw, indices = labelled.budget_volumes, list(range(16))  # a budget's draw depends on its seed alone
+    assert draw(indices, 4, 2) == draw(indices, 4, 2) != draw(indices, 4, 1)
