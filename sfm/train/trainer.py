@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -345,41 +344,40 @@ def train(job: dict[str, Any]) -> TrainSummary | None:
     # under torchrun: one process group over all ranks; run directly: a single process, no group.
     # The timeout bounds every collective: a dead rank fails the others instead of hanging them.
     group = [InitProcessGroupKwargs(backend=backend, timeout=dt.timedelta(seconds=cfg.dist.timeout_s))]
-    tb_dir = tempfile.mkdtemp(prefix="sfm-tb-")
-    accelerator = Accelerator(
-        cpu=not cuda, mixed_precision=precision, log_with="tensorboard", project_dir=tb_dir,
-        kwargs_handlers=group if "WORLD_SIZE" in os.environ else [],
-    )
-    if cfg.train.threads_per_process > 0:  # after Accelerator, which sets its own default on CPU
-        torch.set_num_threads(cfg.train.threads_per_process)
-    rank, world = accelerator.process_index, accelerator.num_processes
-    main = accelerator.is_main_process
-    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
-    cfg.check_parallelism(world)  # the processes torchrun started, whatever the config says
-    h = cfg.health
-    watchdog = Watchdog(h.step_timeout_s, first_timeout_s=h.first_step_timeout_s).start()
-    heartbeat = Heartbeat(run_root, every_s=h.heartbeat_every_s, max_steps=cfg.train.max_steps, enabled=main,
-                          world_size=world)
-    guard = NonFiniteGuard(h.max_nonfinite_in_a_row, h.max_rollbacks)
-    faults = Faults(os.environ.get("SFM_INJECT_FAULTS", ""), run_root, enabled=main)
-    try:
-        summary = Trainer(job, cfg, accelerator, Layout.of(rank, world, cfg.dist.cp), precision, watchdog, heartbeat,
-                          guard, faults).train()
-    except BaseException as err:
+    # the local TensorBoard folder goes once its logs are in the run root, or the run has failed
+    with tempfile.TemporaryDirectory(prefix="sfm-tb-", ignore_cleanup_errors=True) as tb_dir:
+        accelerator = Accelerator(
+            cpu=not cuda, mixed_precision=precision, log_with="tensorboard", project_dir=tb_dir,
+            kwargs_handlers=group if "WORLD_SIZE" in os.environ else [],
+        )
+        if cfg.train.threads_per_process > 0:  # after Accelerator, which sets its own default on CPU
+            torch.set_num_threads(cfg.train.threads_per_process)
+        rank, world = accelerator.process_index, accelerator.num_processes
+        main = accelerator.is_main_process
+        logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
+        cfg.check_parallelism(world)  # the processes torchrun started, whatever the config says
+        h = cfg.health
+        watchdog = Watchdog(h.step_timeout_s, first_timeout_s=h.first_step_timeout_s).start()
+        heartbeat = Heartbeat(run_root, every_s=h.heartbeat_every_s, max_steps=cfg.train.max_steps, enabled=main,
+                              world_size=world)
+        guard = NonFiniteGuard(h.max_nonfinite_in_a_row, h.max_rollbacks)
+        faults = Faults(os.environ.get("SFM_INJECT_FAULTS", ""), run_root, enabled=main)
+        try:
+            summary = Trainer(job, cfg, accelerator, Layout.of(rank, world, cfg.dist.cp), precision, watchdog,
+                              heartbeat, guard, faults).train()
+        except BaseException as err:
+            if main:
+                with contextlib.suppress(Exception):
+                    heartbeat.finish(watchdog.last_step or 0, status="failed", error=type(err).__name__)
+            raise
+        finally:
+            watchdog.stop()
+        accelerator.end_training()  # flushes the trackers and ends the process group
         if main:
-            with contextlib.suppress(Exception):
-                heartbeat.finish(watchdog.last_step or 0, status="failed", error=type(err).__name__)
-        shutil.rmtree(tb_dir, ignore_errors=True)
-        raise
-    finally:
-        watchdog.stop()
-    accelerator.end_training()  # flushes the trackers and ends the process group
-    if main:
-        storage.upload(tb_dir, storage.join(run_root, "tensorboard"))
-        heartbeat.finish(cfg.train.max_steps, loss=summary.final_loss, samples_per_s=summary.samples_per_s,
-                         skipped_nonfinite=guard.skipped, rollbacks=guard.rollbacks)
-    shutil.rmtree(tb_dir, ignore_errors=True)  # the run root holds the logs now
-    return summary
+            storage.upload(tb_dir, storage.join(run_root, "tensorboard"))
+            heartbeat.finish(cfg.train.max_steps, loss=summary.final_loss, samples_per_s=summary.samples_per_s,
+                             skipped_nonfinite=guard.skipped, rollbacks=guard.rollbacks)
+        return summary
 
 
 def main(argv: list[str] | None = None) -> int:
