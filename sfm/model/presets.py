@@ -3,7 +3,9 @@
 Encoder widths follow ViT-S/B/L/H; the decoder is MAE's light 512-wide, 8-block one (smaller for
 ``small``). ``tiny`` exists for CPU tests: it trains in seconds and still learns. ``mini`` is the smallest model
 that learns features worth fine-tuning on a 2-core CPU in minutes (configs/quality_cpu.toml): thin
-patches (4 x 4 traces by 8 samples) so neighbouring patches still share reflectors across faults.
+patches (4 x 4 traces by 8 samples) so neighbouring patches still share reflectors across faults, and a
+one-block decoder: at equal steps its encoder's frozen fault features beat those of a 2- or 4-block
+decoder, and each step is cheaper (BENCHMARKS.md "Quality" has the ablation).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(crop=(32, 32, 32), patch=(8, 8, 8), embed_dim=96, depth=2, num_heads=4,
                  decoder_embed_dim=64, decoder_depth=1, decoder_num_heads=4),
     "mini": dict(crop=(32, 32, 64), patch=(4, 4, 8), embed_dim=128, depth=4, num_heads=4,
-                 decoder_embed_dim=96, decoder_depth=2, decoder_num_heads=4),
+                 decoder_embed_dim=96, decoder_depth=1, decoder_num_heads=4),
     "small": dict(crop=_CROP, patch=_PATCH, embed_dim=384, depth=12, num_heads=6,
                   decoder_embed_dim=256, decoder_depth=4, decoder_num_heads=8),
     "base": dict(crop=_CROP, patch=_PATCH, embed_dim=768, depth=12, num_heads=12,
