@@ -93,7 +93,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     pool, test = labelled.evaluation_pool(recipe), labelled.evaluation_test(recipe)
-    result = downstream.evaluate_downstream(model, recipe, pool=pool, test=test,
+    validation = labelled.evaluation_validation(recipe)
+    result = downstream.evaluate_downstream(model, recipe, pool=pool, test=test, validation=validation,
                                             log=lambda line: print(line, file=sys.stderr))
     eval_seconds = time.perf_counter() - t0
     held_out = record["lineage"].get("held_out_surveys") or []
@@ -107,7 +108,8 @@ def main() -> None:
     for step, url in sorted(snapshots.items()):
         part = downstream.evaluate_downstream(load(url), downstream.Recipe(**{**vars(recipe), "budgets": small,
                                                                                "probes": False}),
-                                              pool=pool, test=test, log=lambda line: print(line, file=sys.stderr),
+                                              pool=pool, test=test, validation=validation,
+                                              log=lambda line: print(line, file=sys.stderr),
                                               random_arm=result)  # random init does not depend on the snapshot
         by_fraction[f"{step / steps:.2f}"] = {f"gain_b{b}": part[f"ft_ap_gain_b{b}"] for b in small}
     by_fraction["1.00"] = {f"gain_b{b}": result[f"ft_ap_gain_b{b}"] for b in small}

@@ -217,6 +217,8 @@ class EvalConfig:
     knn: int = 16  # neighbours of the kNN probe
     validation: float = 0.25  # early stopping on this fraction of each labelled volume's inlines (0: none)
     validate_every: int = 25  # fine-tuning steps between validation scores
+    validation_volumes: int = 0  # early stopping on this many separate labelled volumes, the whole budget
+    # fine-tuned (seeds disjoint from pool and test); 0: on the ``validation`` fraction of each budget volume
 
 
 @dataclass
@@ -298,7 +300,8 @@ class JobConfig:
                     "train.keep_checkpoints": (t.keep_checkpoints, 0), "train.log_every": (t.log_every, 1),
                     "eval.crops": (e.crops, 1), "eval.seeds": (e.seeds, 1), "eval.test_volumes": (e.test_volumes, 1),
                     "eval.finetune_steps": (e.finetune_steps, 1), "eval.finetune_batch": (e.finetune_batch, 1),
-                    "eval.validate_every": (e.validate_every, 1), "eval.pool_volumes": (e.pool_volumes, 0)}
+                    "eval.validate_every": (e.validate_every, 1), "eval.pool_volumes": (e.pool_volumes, 0),
+                    "eval.validation_volumes": (e.validation_volumes, 0)}
         for key, (value, low) in at_least.items():
             if value < low:
                 hint = "; pass a positive --max-steps" if key == "train.max_steps" else ""

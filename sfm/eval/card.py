@@ -208,13 +208,15 @@ def evaluation_components(model_url: str, held_out_stores: list[str], train_summ
                                "in the loss's space (every patch normalised)."))
     components.append(Table(metrics_table(metrics), headers=["predictor", "NMSE", "PSNR dB"]))
     if "downstream" in metrics:
+        separate = metrics["downstream"].get("validation_volumes", 0)
+        stopping = (f"{separate} separate labelled volume{'s' if separate > 1 else ''}" if separate else
+                    "the held-out last part of each labelled volume's inlines")
         components.append(Markdown(
             "## Downstream: fault segmentation fine-tuned from the pretrained encoder and from random "
             "initialisation\n\nAverage precision of fault voxels on held-out labelled volumes (higher is better), "
             "per number of labelled training volumes; every seed is a dot. F1 / IoU at the threshold chosen on "
             "the training volumes. Frozen probes: linear head / kNN on the frozen tokens, pretrained / random. "
-            "Both inits stop early on the held-out last quarter of each labelled volume's inlines (steps kept "
-            "per seed)."))
+            f"Both inits stop early on {stopping} (steps kept per seed)."))
         components.append(CardImage.from_pil_image(label_efficiency_plot(metrics["downstream"]),
                                                    label="label efficiency: AP against labelled volumes"))
         components.append(Table(downstream_table(metrics), headers=[

@@ -23,11 +23,16 @@ Frozen probes, with no hand-made features: the same linear head trained on the f
 tokens, and k-nearest neighbours (each test token's voxels get the mean label patch of its most
 similar training tokens, cosine similarity).
 
-Early stopping, the same for both initialisations: the labels of the last quarter of each labelled
-volume's inlines (``validation``) are held out of fine-tuning, and the network keeps the weights of the
-step (every ``validate_every``) with the best validation AP. It stays inside the label budget, and it
-lets each initialisation stop where it is best: a pretrained encoder overfits a single labelled volume
-within tens of steps, while a random one is still learning.
+Early stopping, the same for both initialisations: the network keeps the weights of the step (every
+``validate_every``) with the best AP on validation labels, so each initialisation stops where it is
+best (a pretrained encoder overfits a single labelled volume within tens of steps, while a random one
+is still learning). The validation labels are either ``validation_volumes`` whole labelled volumes of
+their own (seeds disjoint from the pool's and the test volumes'; the same for every budget, seed and
+initialisation; fine-tuning then sees every label of the budget), or, with ``validation_volumes = 0``,
+the last ``validation`` fraction of each budget volume's inlines, held out of fine-tuning. The held-out
+inlines cut the very fault planes fine-tuning trains on, so they reward memorising those planes; whole
+volumes do not, at the price of labels outside the budget (as MONAI's and most segmentation fine-tuning
+protocols keep a validation set apart from the training labels).
 
 Scores, over every voxel of the test volumes: average precision of the fault class (threshold free),
 and F1 / IoU at the threshold that maximises F1 on the training volumes.
@@ -45,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sfm.eval.labelled import (Held, Volume, budget_volumes, cut, evaluation_pool, evaluation_test, random_crops,
-                               split_for_validation, tiles)
+from sfm.eval.labelled import (Held, Volume, budget_volumes, cut, evaluation_pool, evaluation_test,
+                               evaluation_validation, random_crops, split_for_validation, tiles, whole)
 
 
 @dataclass
@@ -71,6 +76,7 @@ class Recipe:
     probe_steps: int = 300  # frozen linear probe: full-batch steps on precomputed tokens
     validation: float = 0.25  # early stopping: this fraction of each labelled volume's inlines is held out (0: none)
     validate_every: int = 25  # fine-tuning steps between validation scores
+    validation_volumes: int = 0  # early stopping on this many separate labelled volumes instead (0: the fraction)
 
 
 # ---- the network ----------------------------------------------------------------------------------
@@ -354,11 +360,14 @@ def knn_probe(mae: nn.Module, train_tokens, test_tokens, train: list[Volume], te
 
 
 def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool: list[Volume] | None = None,
-                        test: list[Volume] | None = None, example: dict | None = None, log=print,
+                        test: list[Volume] | None = None, validation: list[Volume] | None = None,
+                        example: dict | None = None, log=print,
                         random_arm: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fine-tune ``model``'s encoder and a randomly initialised copy of its architecture at every label
-    budget and seed; frozen probes besides. ``pool``/``test``: labelled volumes (default: generated,
-    ``max(budgets)`` for the pool and ``test_volumes`` held out, with disjoint seeds).
+    budget and seed; frozen probes besides. ``pool``/``test``/``validation``: labelled volumes (default:
+    generated, ``max(budgets)`` for the pool, ``test_volumes`` held out and ``validation_volumes`` for
+    early stopping, with disjoint seeds; no ``validation`` volumes: early stopping on held-out inlines of
+    each budget volume, ``recipe.validation``).
 
     ``random_arm``: an earlier result with the same fine-tuning recipe, pool and test volumes whose
     random-init fine-tuning scores are reused when ``recipe.probes`` is off (they do not depend on the
@@ -377,6 +386,7 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
     t0 = time.perf_counter()
     pool = pool if pool is not None else evaluation_pool(recipe)
     test = test if test is not None else evaluation_test(recipe)
+    validation = validation if validation is not None else evaluation_validation(recipe)
     if random_arm is not None:
         earlier = random_arm["downstream"]["recipe"]
         differs = [k for k in recipe.__dataclass_fields__
@@ -387,6 +397,7 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
     rng_state = torch.get_rng_state()
     results: dict[str, Any] = {"budgets": {}, "recipe": {k: getattr(recipe, k) for k in recipe.__dataclass_fields__},
                                "test_volumes": len(test), "pool_volumes": len(pool),
+                               "validation_volumes": len(validation),
                                "test_fault_fraction": float(np.mean([f.mean() for _, f in test]))}
     flat: dict[str, Any] = {}
     try:
@@ -404,7 +415,7 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
                         continue
                     state = pretrained_state if init == "pretrained" else None
                     for kind, score in one_run(model.cfg, state, train, test, recipe, seed, init=init,
-                                               example=shown).items():
+                                               validation=validation, example=shown).items():
                         runs.setdefault(f"{kind}_{init}", []).append(score)
                     score = runs[f"ft_{init}"][-1]
                     log(f"sfm downstream: budget {budget} seed {seed} {init}: AP {score['ap']:.4f} "
@@ -422,10 +433,12 @@ def _plain(value: Any) -> Any:
 
 
 def one_run(cfg, state: dict | None, train: list[Volume], test: list[Volume], recipe: Recipe, seed: int, *,
-            init: str, example: dict | None = None) -> dict[str, dict[str, float]]:
+            init: str, validation: list[Volume] | None = None, example: dict | None = None
+            ) -> dict[str, dict[str, float]]:
     """One paired run: the encoder of architecture ``cfg`` (weights ``state``, or seed ``seed``'s random
     init when None) probed frozen and fine-tuned on ``train``, scored on ``test``: {"ft": scores,
-    "linear": ..., "knn": ...} (the probes as the recipe asks)."""
+    "linear": ..., "knn": ...} (the probes as the recipe asks). Early stopping scores the whole
+    ``validation`` volumes, or without them the held-out inlines of ``train`` (``recipe.validation``)."""
     from sfm.model.mae import MaskedAutoencoder3D
 
     torch.manual_seed(10_000 + seed)  # the random init of seed s, the same for every budget
@@ -433,9 +446,12 @@ def one_run(cfg, state: dict | None, train: list[Volume], test: list[Volume], re
     if state is not None:
         mae.load_state_dict(state)
     out: dict[str, dict[str, float]] = {}
-    fit, held = split_for_validation(train, recipe.validation, cfg.crop)
+    if validation:
+        fit, held = train, whole(validation)
+    else:
+        fit, held = split_for_validation(train, recipe.validation, cfg.crop)
     head = None  # the linear probe of the whole budget's frozen tokens
-    if recipe.probes or (recipe.linear_first and not held):
+    if recipe.probes or (recipe.linear_first and fit is train):
         tokens = tokens_of(mae, train)
         head = train_linear_head(tokens[0], tokens[1], recipe, seed)
     if recipe.probes:
@@ -445,7 +461,7 @@ def one_run(cfg, state: dict | None, train: list[Volume], test: list[Volume], re
             out["knn"] = knn_probe(mae, tokens, (x_test, o_test), train, test, recipe.knn)
     start = None
     if recipe.linear_first:  # the LP-FT head sees only the labels fine-tuning may see
-        start = head if not held else train_linear_head(*tokens_of(mae, fit)[:2], recipe, seed)
+        start = head if fit is train else train_linear_head(*tokens_of(mae, fit)[:2], recipe, seed)
     net = fine_tune(mae, fit, recipe, seed, head=start, held=held)
     test_probs = [predict(net, a) for a, _ in test]
     out["ft"] = {**scores([predict(net, a) for a, _ in train], train, test_probs, test), "steps": net.chosen_step}
@@ -482,7 +498,8 @@ def recipe_of(eval_cfg) -> Recipe:
     return Recipe(budgets=tuple(e.budgets), seeds=e.seeds, test_volumes=e.test_volumes, pool_volumes=e.pool_volumes,
                   volume=tuple(e.volume),
                   steps=e.finetune_steps, batch_size=e.finetune_batch, lr=e.finetune_lr, layer_decay=e.layer_decay,
-                  probes=e.probes, knn=e.knn, validation=e.validation, validate_every=e.validate_every)
+                  probes=e.probes, knn=e.knn, validation=e.validation, validate_every=e.validate_every,
+                  validation_volumes=e.validation_volumes)
 
 
 def summarize(metrics: dict[str, Any]) -> str:

@@ -6,6 +6,7 @@
 - :func:`random_crops`: fine-tuning batches with flips and inline/crossline swap.
 - :func:`tiles` / :func:`cut`: the crops that cover a whole volume, for prediction.
 - :func:`split_for_validation`: the held-out inlines early stopping scores, inside the label budget.
+- :func:`evaluation_validation` / :func:`whole`: separate labelled volumes early stopping scores instead.
 - :func:`budget_volumes`: the volumes of one run's label budget.
 """
 
@@ -19,6 +20,7 @@ import torch
 
 LABELLED_SEED = 1_000_000  # labelled pool: seeds LABELLED_SEED, +1, ...; pretraining surveys use small seeds
 TEST_SEED = 2_000_000  # held-out test volumes: TEST_SEED, +1, ...
+VALIDATION_SEED = 3_000_000  # early-stopping volumes: VALIDATION_SEED, +1, ... (neither pool nor test)
 Volume = tuple[np.ndarray, np.ndarray]  # amplitude float32 [IL, XL, NS] normalised, faults uint8 [IL, XL, NS]
 
 
@@ -109,6 +111,11 @@ def split_for_validation(volumes: list[Volume], fraction: float, crop: Sequence[
     return fit, held
 
 
+def whole(volumes: list[Volume]) -> list[Held]:
+    """Whole labelled volumes as validation parts (every inline scored)."""
+    return [Held(amplitude, faults, 0) for amplitude, faults in volumes]
+
+
 def budget_volumes(pool: list[Volume], budget: int, seed: int) -> list[Volume]:
     """The ``budget`` labelled volumes of run ``seed``: a seeded draw from the pool (the whole pool at its size)."""
     pick = np.random.default_rng(seed).permutation(len(pool))[:budget]
@@ -129,3 +136,9 @@ def evaluation_pool(recipe) -> list[Volume]:
 def evaluation_test(recipe) -> list[Volume]:
     """A recipe's held-out test volumes (``test_volumes`` of ``volume``), seeds from :data:`TEST_SEED` on."""
     return labelled_volumes(recipe.test_volumes, recipe.volume, TEST_SEED)
+
+
+def evaluation_validation(recipe) -> list[Volume]:
+    """A recipe's early-stopping volumes (``validation_volumes`` of ``volume``; none for 0), seeds from
+    :data:`VALIDATION_SEED` on: disjoint from the pool, the test volumes and every pretraining survey."""
+    return labelled_volumes(recipe.validation_volumes, recipe.volume, VALIDATION_SEED)

@@ -180,6 +180,39 @@ def test_with_a_linear_probe_to_start_from_the_probe_itself_is_a_candidate(fault
     assert downstream.validation_ap(net, held) == pytest.approx(max(aps), abs=1e-6)
 
 
+def test_separate_validation_volumes_stop_early_and_leave_the_whole_budget_to_fine_tuning(
+        fault_trained_encoder, volumes, monkeypatch):
+    recipe = downstream.recipe_of(EvalConfig(budgets=(1,), seeds=1, test_volumes=1, volume=(64, 32, 64),
+                                             finetune_steps=8, finetune_batch=2, validate_every=4, probes=False,
+                                             validation_volumes=2))
+    pool = [(np.concatenate([a, a[::-1]]), np.concatenate([f, f[::-1]])) for a, f in volumes[0]]  # 64 inlines
+    validation = labelled.evaluation_validation(recipe)
+    assert len(validation) == 2 and all(v[0].shape == (64, 32, 64) for v in validation)
+    for other in (labelled.evaluation_pool(recipe), labelled.evaluation_test(recipe)):  # disjoint seeds
+        assert not any(np.array_equal(v[0], o[0]) for v in validation for o in other)
+    seen = []
+    real = downstream.fine_tune
+
+    def spy(mae, train, recipe, seed, **kw):
+        net = real(mae, train, recipe, seed, **kw)
+        seen.append((train, kw["held"], net))
+        return net
+
+    monkeypatch.setattr(downstream, "fine_tune", spy)
+    result = downstream.evaluate_downstream(fault_trained_encoder, recipe, pool=pool, test=volumes[1][:1],
+                                            validation=validation)
+    assert result["downstream"]["validation_volumes"] == 2 and len(seen) == 2  # pretrained and random
+    for train, held, net in seen:
+        assert [t[0].shape[0] for t in train] == [64]  # no inline of the budget is held out
+        assert [h.first for h in held] == [0, 0]  # every inline of the validation volumes is scored
+        assert all(np.array_equal(h.faults, v[1]) for h, v in zip(held, validation))
+        steps, aps = zip(*net.validation)
+        assert steps == (0, 4, 8) and net.chosen_step == steps[int(np.argmax(aps))]
+        assert downstream.validation_ap(net, held) == pytest.approx(max(aps), abs=1e-6)
+    without = downstream.recipe_of(EvalConfig(budgets=(1,), seeds=1, volume=(64, 32, 64), validation_volumes=0))
+    assert labelled.evaluation_validation(without) == []
+
+
 def test_the_random_arm_does_not_depend_on_the_evaluated_encoder(fault_trained_encoder, volumes):
     """Which is why the snapshots of a run may reuse its random-init scores (``random_arm``)."""
     recipe = downstream.recipe_of(EvalConfig(budgets=(1,), seeds=2, test_volumes=1, volume=(32, 32, 64),
