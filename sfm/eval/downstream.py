@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sfm.eval.fault_scores import average_precision, scores
 from sfm.eval.labelled import (Held, Volume, budget_volumes, cut, evaluation_pool, evaluation_test,
                                evaluation_validation, random_crops, split_for_validation, tiles, whole)
 
@@ -147,57 +148,6 @@ def predict(net: FaultSegmenter, amplitude: np.ndarray, batch_size: int = 8) -> 
             total[i:i + crop[0], j:j + crop[1], k:k + crop[2]] += p
             count[i:i + crop[0], j:j + crop[1], k:k + crop[2]] += 1
     return total / count
-
-
-# ---- scores ---------------------------------------------------------------------------------------
-
-
-def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the precision-recall curve as a step function (scikit-learn's definition):
-    sum over thresholds of (recall_n - recall_{n-1}) * precision_n; tied scores share a threshold."""
-    s = np.asarray(scores, np.float64).ravel()
-    y = np.asarray(labels).ravel().astype(bool)
-    positives = int(y.sum())
-    if positives == 0:
-        return float("nan")
-    order = np.argsort(-s, kind="stable")
-    s, y = s[order], y[order]
-    last = np.r_[np.flatnonzero(np.diff(s)), len(s) - 1]  # the last index of each distinct score
-    tp = np.cumsum(y)[last]
-    precision = tp / (last + 1)
-    recall = tp / positives
-    return float(np.sum(np.diff(np.r_[0.0, recall]) * precision))
-
-
-def best_threshold(scores: np.ndarray, labels: np.ndarray) -> float:
-    """The threshold ``t`` that maximises F1 of ``scores >= t``."""
-    s = np.asarray(scores, np.float64).ravel()
-    y = np.asarray(labels).ravel().astype(bool)
-    order = np.argsort(-s, kind="stable")
-    s, y = s[order], y[order]
-    last = np.r_[np.flatnonzero(np.diff(s)), len(s) - 1]
-    tp = np.cumsum(y)[last]
-    f1 = 2 * tp / (last + 1 + y.sum())
-    return float(s[last[int(np.argmax(f1))]])
-
-
-def f1_iou(pred: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
-    """F1 and IoU of the fault class for boolean predictions."""
-    pred, labels = np.asarray(pred, bool).ravel(), np.asarray(labels).ravel().astype(bool)
-    tp = float(np.count_nonzero(pred & labels))
-    wrong = float(np.count_nonzero(pred ^ labels))
-    return (2 * tp / (2 * tp + wrong) if tp + wrong else 1.0), (tp / (tp + wrong) if tp + wrong else 1.0)
-
-
-def scores(train_probs: list[np.ndarray], train: list[Volume], test_probs: list[np.ndarray], test: list[Volume]
-           ) -> dict[str, float]:
-    """AP on the test volumes, and F1/IoU there at the threshold chosen on the training volumes."""
-    threshold = best_threshold(np.concatenate([p.ravel() for p in train_probs]),
-                               np.concatenate([f.ravel() for _, f in train]))
-    probs = np.concatenate([p.ravel() for p in test_probs])
-    labels = np.concatenate([f.ravel() for _, f in test])
-    f1, iou = f1_iou(probs >= threshold, labels)
-    return {"ap": average_precision(probs, labels), "f1": f1, "iou": iou, "threshold": threshold}
 
 
 # ---- fine-tuning and probes -------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from sfm.eval import downstream, labelled
+from sfm.eval import downstream, fault_scores, labelled
 from sfm.config import EvalConfig
 from sfm.model import mae_config
 from sfm.model.mae import MaskedAutoencoder3D
@@ -35,21 +35,21 @@ def test_average_precision_follows_its_definition_with_ties():
     for _ in range(5):
         labels = rng.random(300) < 0.2
         scores = np.round(rng.random(300) + 0.5 * labels, 1)  # coarse: many ties
-        assert downstream.average_precision(scores, labels) == pytest.approx(brute_force_ap(scores, labels), abs=1e-12)
+        assert fault_scores.average_precision(scores, labels) == pytest.approx(brute_force_ap(scores, labels), abs=1e-12)
     labels = np.array([1, 0, 1, 0, 0], bool)
-    assert downstream.average_precision(np.array([5, 4, 3, 2, 1.0]), labels) == pytest.approx((1 + 2 / 3) / 2)
-    assert downstream.average_precision(labels * 1.0, labels) == 1.0  # perfect ranking
-    assert downstream.average_precision(np.zeros(5), labels) == pytest.approx(0.4)  # no ranking: the prevalence
+    assert fault_scores.average_precision(np.array([5, 4, 3, 2, 1.0]), labels) == pytest.approx((1 + 2 / 3) / 2)
+    assert fault_scores.average_precision(labels * 1.0, labels) == 1.0  # perfect ranking
+    assert fault_scores.average_precision(np.zeros(5), labels) == pytest.approx(0.4)  # no ranking: the prevalence
 
 
 def test_best_threshold_maximises_f1():
     rng = np.random.default_rng(1)
     labels = rng.random(400) < 0.3
     scores = rng.random(400) + 0.4 * labels
-    t = downstream.best_threshold(scores, labels)
-    best = max(downstream.f1_iou(scores >= c, labels)[0] for c in scores)
-    assert downstream.f1_iou(scores >= t, labels)[0] == pytest.approx(best)
-    f1, iou = downstream.f1_iou(np.array([1, 1, 0, 0], bool), np.array([1, 0, 1, 0], bool))
+    t = fault_scores.best_threshold(scores, labels)
+    best = max(fault_scores.f1_iou(scores >= c, labels)[0] for c in scores)
+    assert fault_scores.f1_iou(scores >= t, labels)[0] == pytest.approx(best)
+    f1, iou = fault_scores.f1_iou(np.array([1, 1, 0, 0], bool), np.array([1, 0, 1, 0], bool))
     assert (f1, iou) == (pytest.approx(0.5), pytest.approx(1 / 3))
 
 
