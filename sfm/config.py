@@ -213,6 +213,8 @@ class EvalConfig:
     finetune_batch: int = 4
     finetune_lr: float = 1e-3  # the head's; encoder layer k of d learns at lr * layer_decay^(d + 1 - k)
     layer_decay: float = 0.75
+    finetune_lr_random: float = 0.0  # the random-init arm's own peak lr (0: finetune_lr): a baseline at the
+    # pretrained encoder's lr is under-trained (MAE tunes its from-scratch baselines separately)
     probes: bool = True  # frozen linear-head and kNN probes too
     knn: int = 16  # neighbours of the kNN probe
     validation: float = 0.25  # early stopping on this fraction of each labelled volume's inlines (0: none)
@@ -311,6 +313,9 @@ class JobConfig:
         if not (t.lr > 0 and t.min_lr >= 0 and 0 <= d.min_live_fraction <= 1 and 0 < self.model.mask_ratio < 1):
             raise SFMError("train.lr must be > 0, train.min_lr >= 0, data.min_live_fraction in [0, 1] and "
                            "model.mask_ratio in (0, 1)")
+        if not (e.finetune_lr > 0 and e.finetune_lr_random >= 0):
+            raise SFMError(f"eval.finetune_lr = {e.finetune_lr} must be > 0 and eval.finetune_lr_random = "
+                           f"{e.finetune_lr_random} >= 0 (0: the random-init arm uses finetune_lr)")
         if not 0 <= e.validation < 1:
             raise SFMError(f"eval.validation = {e.validation}: the held-out fraction of each labelled volume "
                            "must be in [0, 1) (0: no early stopping)")

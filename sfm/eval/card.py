@@ -211,12 +211,15 @@ def evaluation_components(model_url: str, held_out_stores: list[str], train_summ
         separate = metrics["downstream"].get("validation_volumes", 0)
         stopping = (f"{separate} separate labelled volume{'s' if separate > 1 else ''}" if separate else
                     "the held-out last part of each labelled volume's inlines")
+        recipe = metrics["downstream"].get("recipe", {})
+        rates = (f" Peak fine-tuning learning rate: pretrained {recipe['lr']:g}, random "
+                 f"{recipe.get('lr_random') or recipe['lr']:g}." if "lr" in recipe else "")
         components.append(Markdown(
             "## Downstream: fault segmentation fine-tuned from the pretrained encoder and from random "
             "initialisation\n\nAverage precision of fault voxels on held-out labelled volumes (higher is better), "
             "per number of labelled training volumes; every seed is a dot. F1 / IoU at the threshold chosen on "
             "the training volumes. Frozen probes: linear head / kNN on the frozen tokens, pretrained / random. "
-            f"Both inits stop early on {stopping} (steps kept per seed)."))
+            f"Both inits stop early on {stopping} (steps kept per seed).{rates}"))
         components.append(CardImage.from_pil_image(label_efficiency_plot(metrics["downstream"]),
                                                    label="label efficiency: AP against labelled volumes"))
         components.append(Table(downstream_table(metrics), headers=[

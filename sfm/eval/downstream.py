@@ -17,7 +17,9 @@ linear head per token that emits the patch's voxels ([N, L, P] logits, put back 
 of the labelled volumes (random flips and inline/crossline swap), class-balanced binary
 cross-entropy, AdamW with warmup and cosine decay and layer-wise learning-rate decay (MAE's
 fine-tuning recipe). Pretrained and random encoders see identical crops, heads and schedules for a
-seed (paired seeds): the difference between them is the initialisation and nothing else.
+seed (paired seeds); each may have its own peak learning rate (``lr_random``), as MAE tunes its
+from-scratch baselines apart: at the rate that suits a pretrained encoder a random one is under-trained
+in a short fine-tuning, and the gain would flatter pretraining.
 
 Frozen probes, with no hand-made features: the same linear head trained on the frozen encoder's
 tokens, and k-nearest neighbours (each test token's voxels get the mean label patch of its most
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -78,6 +80,7 @@ class Recipe:
     validation: float = 0.25  # early stopping: this fraction of each labelled volume's inlines is held out (0: none)
     validate_every: int = 25  # fine-tuning steps between validation scores
     validation_volumes: int = 0  # early stopping on this many separate labelled volumes instead (0: the fraction)
+    lr_random: float = 0.0  # the random-init arm's peak lr (0: ``lr``); each arm at the lr tuned for it
 
 
 # ---- the network ----------------------------------------------------------------------------------
@@ -409,6 +412,8 @@ def one_run(cfg, state: dict | None, train: list[Volume], test: list[Volume], re
         out["linear"] = linear_probe(mae, head, tokens, (x_test, o_test), train, test)
         if recipe.knn > 0 and seed == 0:  # kNN has no seed of its own: once per budget
             out["knn"] = knn_probe(mae, tokens, (x_test, o_test), train, test, recipe.knn)
+    if init == "random" and recipe.lr_random > 0:
+        recipe = replace(recipe, lr=recipe.lr_random)
     start = None
     if recipe.linear_first:  # the LP-FT head sees only the labels fine-tuning may see
         start = head if fit is train else train_linear_head(*tokens_of(mae, fit)[:2], recipe, seed)
@@ -449,7 +454,7 @@ def recipe_of(eval_cfg) -> Recipe:
                   volume=tuple(e.volume),
                   steps=e.finetune_steps, batch_size=e.finetune_batch, lr=e.finetune_lr, layer_decay=e.layer_decay,
                   probes=e.probes, knn=e.knn, validation=e.validation, validate_every=e.validate_every,
-                  validation_volumes=e.validation_volumes)
+                  validation_volumes=e.validation_volumes, lr_random=e.finetune_lr_random)
 
 
 def summarize(metrics: dict[str, Any]) -> str:

@@ -245,3 +245,22 @@ def test_the_pool_does_not_depend_on_which_budgets_a_run_evaluates():
     assert all(np.array_equal(a, b) and np.array_equal(f, g) for (a, f), (b, g) in zip(*pools))
     draw, indices = labelled.budget_volumes, list(range(16))  # a budget's draw depends on its seed alone
     assert draw(indices, 4, 2) == draw(indices, 4, 2) != draw(indices, 4, 1)
+
+
+def test_the_random_arm_fine_tunes_at_its_own_learning_rate(fault_trained_encoder, volumes):
+    """``finetune_lr_random`` changes the random-init arm and nothing else: its scores are those of the
+    whole recipe at that rate, and the pretrained arm's stay those of ``finetune_lr``."""
+    base = dict(budgets=(1,), seeds=1, test_volumes=1, volume=(32, 32, 64), finetune_steps=10, probes=False)
+    pool, test = volumes[0], volumes[1][:1]
+    runs = {}
+    for name, kw in (("slow", dict(finetune_lr=1e-4)), ("fast", dict(finetune_lr=3e-2)),
+                     ("own", dict(finetune_lr=1e-4, finetune_lr_random=3e-2))):
+        recipe = downstream.recipe_of(EvalConfig(**base, **kw))
+        runs[name] = downstream.evaluate_downstream(fault_trained_encoder, recipe, pool=pool, test=test)["downstream"]["budgets"]["1"]
+    assert runs["own"]["ft_random"] == runs["fast"]["ft_random"] != runs["slow"]["ft_random"]
+    assert runs["own"]["ft_pretrained"] == runs["slow"]["ft_pretrained"] != runs["fast"]["ft_pretrained"]
+    from sfm.config import JobConfig
+    from sfm.errors import SFMError
+
+    with pytest.raises(SFMError, match="finetune_lr_random"):
+        JobConfig.from_toml(None, ["eval.finetune_lr_random=-1"]).validate()
