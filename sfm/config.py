@@ -303,19 +303,18 @@ class JobConfig:
                     "eval.crops": (e.crops, 1), "eval.seeds": (e.seeds, 1), "eval.test_volumes": (e.test_volumes, 1),
                     "eval.finetune_steps": (e.finetune_steps, 1), "eval.finetune_batch": (e.finetune_batch, 1),
                     "eval.validate_every": (e.validate_every, 1), "eval.pool_volumes": (e.pool_volumes, 0),
-                    "eval.validation_volumes": (e.validation_volumes, 0)}
+                    "eval.validation_volumes": (e.validation_volumes, 0),
+                    "eval.finetune_lr_random": (e.finetune_lr_random, 0)}
         for key, (value, low) in at_least.items():
             if value < low:
                 hint = "; pass a positive --max-steps" if key == "train.max_steps" else ""
                 raise SFMError(f"{key} = {value} must be at least {low}{hint}")
         if any(n < 1 for n in d.crop) or any(b < 1 for b in e.budgets):
             raise SFMError(f"data.crop = {list(d.crop)} and eval.budgets = {list(e.budgets)} must be positive")
-        if not (t.lr > 0 and t.min_lr >= 0 and 0 <= d.min_live_fraction <= 1 and 0 < self.model.mask_ratio < 1):
-            raise SFMError("train.lr must be > 0, train.min_lr >= 0, data.min_live_fraction in [0, 1] and "
-                           "model.mask_ratio in (0, 1)")
-        if not (e.finetune_lr > 0 and e.finetune_lr_random >= 0):
-            raise SFMError(f"eval.finetune_lr = {e.finetune_lr} must be > 0 and eval.finetune_lr_random = "
-                           f"{e.finetune_lr_random} >= 0 (0: the random-init arm uses finetune_lr)")
+        if not (t.lr > 0 and t.min_lr >= 0 and 0 <= d.min_live_fraction <= 1 and 0 < self.model.mask_ratio < 1
+                and e.finetune_lr > 0):
+            raise SFMError("train.lr must be > 0, train.min_lr >= 0, data.min_live_fraction in [0, 1], "
+                           "model.mask_ratio in (0, 1) and eval.finetune_lr > 0")
         if not 0 <= e.validation < 1:
             raise SFMError(f"eval.validation = {e.validation}: the held-out fraction of each labelled volume "
                            "must be in [0, 1) (0: no early stopping)")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from sfm.eval import downstream, fault_scores, labelled
-from sfm.config import EvalConfig
+from sfm.config import EvalConfig, JobConfig
+from sfm.errors import SFMError
 from sfm.model import mae_config
 from sfm.model.mae import MaskedAutoencoder3D
 
@@ -259,8 +260,5 @@ def test_the_random_arm_fine_tunes_at_its_own_learning_rate(fault_trained_encode
         runs[name] = downstream.evaluate_downstream(fault_trained_encoder, recipe, pool=pool, test=test)["downstream"]["budgets"]["1"]
     assert runs["own"]["ft_random"] == runs["fast"]["ft_random"] != runs["slow"]["ft_random"]
     assert runs["own"]["ft_pretrained"] == runs["slow"]["ft_pretrained"] != runs["fast"]["ft_pretrained"]
-    from sfm.config import JobConfig
-    from sfm.errors import SFMError
-
     with pytest.raises(SFMError, match="finetune_lr_random"):
         JobConfig.from_toml(None, ["eval.finetune_lr_random=-1"]).validate()
