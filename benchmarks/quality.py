@@ -15,12 +15,17 @@ Measured, all with the recipe of the version's config (sfm.eval.downstream):
   (mean over paired seeds), the gain, whether every seed gained, F1/IoU at the threshold chosen on
   the training volumes; frozen linear-head and kNN probes of both encoders;
 - the target-space masked NMSE on the version's held-out surveys (sfm.eval.reconstruction);
-- the gain at the two smallest budgets after 25 %, 50 % and 100 % of the pretraining steps.
+- the gain at the two smallest budgets after 25 %, 50 % and 100 % of the pretraining steps;
+- with ``--reference-volumes N``, the scale: the same architecture pretrained *supervised* on the fault
+  labels of N more labelled volumes (seeds of their own, sfm.eval.labelled.REFERENCE_SEED on), fine-tuned
+  and scored the same way. Its gain is what fault features are worth to this evaluation; the
+  self-supervised gain is read against it (``share_of_reference_b<N>``).
 
 The last line is one JSON object with all of it: per budget ``pretrained_ap_b<N>``, ``random_ap_b<N>``,
 ``gain_b<N>``, ``every_seed_gained_b<N>`` (and the full per-seed table under ``downstream``),
-``linear_gain_b<N>``, ``knn_gain_b<N>``, ``masked_nmse``, ``gain_by_pretraining`` and the checks of
-the issue's acceptance (``meets``).
+``linear_gain_b<N>``, ``knn_gain_b<N>``, ``masked_nmse``, ``gain_by_pretraining``, with a reference
+``reference_ap_b<N>``, ``reference_gain_b<N>``, ``reference_min_gain_b<N>``, ``share_of_reference_b<N>``,
+and the checks of the issue's acceptance (``meets``).
 """
 
 from __future__ import annotations
@@ -69,13 +74,20 @@ def main() -> None:
     parser.add_argument("--budgets", default="1,4,16",
                         help="label budgets to evaluate (default 1,4,16; the flow's own evaluation may run fewer)")
     parser.add_argument("--workdir", help="where the flow run keeps its data (default: a temporary folder)")
+    parser.add_argument("--reference-volumes", type=int, default=0,
+                        help="also evaluate a supervised reference encoder trained on this many labelled volumes (0: none)")
+    parser.add_argument("--reference-steps", type=int, default=3000, help="the reference encoder's training steps")
+    parser.add_argument("--reference-lr", type=float, default=3e-3, help="the reference encoder's peak learning rate")
     args = parser.parse_args()
+
+    import torch
 
     from sfm import storage
     from sfm.eval import downstream, labelled
     from sfm.config import JobConfig
     from sfm.eval.reconstruction import evaluate_model
     from sfm.model import load
+    from sfm.model.mae import MaskedAutoencoder3D
 
     flow_seconds = None
     if args.model:
@@ -114,6 +126,19 @@ def main() -> None:
         by_fraction[f"{step / steps:.2f}"] = {f"gain_b{b}": part[f"ft_ap_gain_b{b}"] for b in small}
     by_fraction["1.00"] = {f"gain_b{b}": result[f"ft_ap_gain_b{b}"] for b in small}
 
+    reference = None
+    if args.reference_volumes > 0:  # what fault features are worth here: an encoder pretrained on labels
+        t1 = time.perf_counter()
+        torch.manual_seed(0)
+        encoder = downstream.supervised_pretrain(
+            MaskedAutoencoder3D(model.cfg), labelled.labelled_volumes(args.reference_volumes, recipe.volume,
+                                                                      labelled.REFERENCE_SEED),
+            recipe, steps=args.reference_steps, lr=args.reference_lr)
+        reference = downstream.evaluate_downstream(encoder, downstream.Recipe(**{**vars(recipe), "probes": False}),
+                                                   pool=pool, test=test, validation=validation, random_arm=result,
+                                                   log=lambda line: print(f"reference: {line}", file=sys.stderr))
+        reference["seconds"] = time.perf_counter() - t1
+
     out: dict = {"model": version_url, "steps": steps, "flow_seconds": flow_seconds, "eval_seconds": eval_seconds,
                  "recipe": result["downstream"]["recipe"]}
     for b in recipe.budgets:
@@ -127,6 +152,14 @@ def main() -> None:
                 out.update({f"{kind}_ap_b{b}": result[f"{kind}_ap_b{b}"],
                             f"{kind}_ap_random_b{b}": result[f"{kind}_ap_random_b{b}"],
                             f"{kind}_gain_b{b}": result[f"{kind}_ap_gain_b{b}"]})
+    if reference is not None:
+        out["reference"] = {"volumes": args.reference_volumes, "steps": args.reference_steps,
+                            "lr": args.reference_lr, "seconds": reference["seconds"]}
+        for b in recipe.budgets:
+            gain = reference[f"ft_ap_gain_b{b}"]
+            out.update({f"reference_ap_b{b}": reference[f"ft_ap_b{b}"], f"reference_gain_b{b}": gain,
+                        f"reference_min_gain_b{b}": reference[f"ft_min_gain_b{b}"],
+                        f"share_of_reference_b{b}": result[f"ft_ap_gain_b{b}"] / gain if gain > 0 else None})
     out["masked_nmse"] = reconstruction.get("masked_nmse", record["metrics"].get("masked_nmse"))
     out["baseline_interp_nmse"] = reconstruction.get("baseline_interp_nmse")
     out["gain_by_pretraining"] = by_fraction

@@ -222,6 +222,18 @@ def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *,
     return net
 
 
+def supervised_pretrain(mae: nn.Module, volumes: list[Volume], recipe: Recipe, *, steps: int, lr: float,
+                        seed: int = 0) -> nn.Module:
+    """Pretrain ``mae``'s encoder (in place) on the fault labels of ``volumes``: every layer at peak ``lr``
+    (no layer decay), ``steps`` steps of ``recipe``'s fine-tuning, no early stopping; returns ``mae``.
+
+    An encoder whose tokens hold fault features by construction: evaluated like a pretrained one, its gain
+    over random initialisation is what the evaluation can reward at each budget (a reference scale for
+    the self-supervised gain, given labelled volumes outside the pool, test and validation sets)."""
+    fine_tune(mae, volumes, replace(recipe, steps=steps, lr=lr, layer_decay=1.0), seed)
+    return mae
+
+
 @torch.no_grad()
 def tokens_of(mae: nn.Module, volumes: list[Volume], batch_size: int = 8
               ) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, int, int]]]]:

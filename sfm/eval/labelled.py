@@ -21,6 +21,7 @@ import torch
 LABELLED_SEED = 1_000_000  # labelled pool: seeds LABELLED_SEED, +1, ...; pretraining surveys use small seeds
 TEST_SEED = 2_000_000  # held-out test volumes: TEST_SEED, +1, ...
 VALIDATION_SEED = 3_000_000  # early-stopping volumes: VALIDATION_SEED, +1, ... (neither pool nor test)
+REFERENCE_SEED = 4_000_000  # a supervised reference encoder's training volumes (benchmarks/quality.py)
 Volume = tuple[np.ndarray, np.ndarray]  # amplitude float32 [IL, XL, NS] normalised, faults uint8 [IL, XL, NS]
 
 

@@ -101,9 +101,8 @@ def fault_trained_encoder():
     torch.manual_seed(0)
     mae = MaskedAutoencoder3D(mae_config("tiny", **TINY))
     train = labelled.labelled_volumes(6, (32, 32, 64), 3_000_000)
-    recipe = downstream.recipe_of(EvalConfig(finetune_steps=300, finetune_batch=4, finetune_lr=2e-3, layer_decay=1.0))
-    downstream.fine_tune(mae, train, recipe, seed=5)
-    return mae
+    return downstream.supervised_pretrain(mae, train, downstream.recipe_of(EvalConfig(finetune_batch=4)),
+                                          steps=300, lr=2e-3, seed=5)
 
 
 def test_encoder_with_fault_features_beats_random_init_on_every_seed(fault_trained_encoder, volumes):
