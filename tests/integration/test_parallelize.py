@@ -102,6 +102,7 @@ def worker(rank: int, port: int, out_dir: str, s3_root: str) -> None:
                 "sharded": [type(p).__name__ for p in parallelize.unwrap(model).parameters()][:1],
                 "weights": weights.tolist() if rank == 0 else None,
             }
+        dist.barrier()  # no rank tears gloo down while the other still has work in flight on it
     finally:
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -215,6 +216,8 @@ def worker_without_private_api(rank: int, port: int, out_dir: str) -> None:
             model = parallelize.apply_strategy(make_model(), strategy)
             optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.05)
             results[strategy] = [train_step(model, optimizer, s, rank, WORLD) for s in range(STEPS + 1)]
+            del model, optimizer  # freed while the group is up, not by the interpreter after it is destroyed
+        dist.barrier()  # no rank tears gloo down while the other still has work in flight on it
     finally:
         dist.destroy_process_group()
     results["messages"] = messages
