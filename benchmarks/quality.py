@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,10 +117,10 @@ def main() -> None:
     small = tuple(sorted(recipe.budgets)[:2])
     snapshots = {int(step): url for step, url in (record["lineage"].get("snapshots") or {}).items()}
     steps = cfg.train.max_steps
+    fine_tuned_only = replace(recipe, probes=False)  # the random arm's scores are reused, not refitted
     by_fraction: dict[str, dict[str, float]] = {}
     for step, url in sorted(snapshots.items()):
-        part = downstream.evaluate_downstream(load(url), downstream.Recipe(**{**vars(recipe), "budgets": small,
-                                                                               "probes": False}),
+        part = downstream.evaluate_downstream(load(url), replace(fine_tuned_only, budgets=small),
                                               pool=pool, test=test, validation=validation,
                                               log=lambda line: print(line, file=sys.stderr),
                                               random_arm=result)  # random init does not depend on the snapshot
@@ -134,8 +135,8 @@ def main() -> None:
             MaskedAutoencoder3D(model.cfg), labelled.labelled_volumes(args.reference_volumes, recipe.volume,
                                                                       labelled.REFERENCE_SEED),
             recipe, steps=args.reference_steps, lr=args.reference_lr)
-        reference = downstream.evaluate_downstream(encoder, downstream.Recipe(**{**vars(recipe), "probes": False}),
-                                                   pool=pool, test=test, validation=validation, random_arm=result,
+        reference = downstream.evaluate_downstream(encoder, fine_tuned_only, pool=pool, test=test,
+                                                   validation=validation, random_arm=result,
                                                    log=lambda line: print(f"reference: {line}", file=sys.stderr))
         reference["seconds"] = time.perf_counter() - t1
 
