@@ -4,6 +4,7 @@ tells an encoder that holds fault features from a random one, the same way every
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -226,7 +227,7 @@ def test_the_random_arm_does_not_depend_on_the_evaluated_encoder(fault_trained_e
     runs = [r["downstream"]["budgets"]["1"] for r in (first, full, reused)]
     assert runs[0]["ft_random"] == runs[1]["ft_random"] == runs[2]["ft_random"]
     assert runs[1]["ft_pretrained"] == runs[2]["ft_pretrained"] != runs[0]["ft_pretrained"]
-    longer = downstream.Recipe(**{**vars(recipe), "steps": 20})  # scores of another recipe are not reused
+    longer = replace(recipe, steps=20)  # scores of another recipe are not reused
     with pytest.raises(ValueError, match="steps"):
         downstream.evaluate_downstream(other, longer, pool=pool, test=test, random_arm=first)
 
