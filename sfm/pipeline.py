@@ -219,8 +219,12 @@ def evaluate(model_url: str, held_out_stores: list[str], cfg: JobConfig) -> tupl
     metrics = evaluate_model(model, held_out_stores, cfg, example=figures["reconstruction"])
     print(f"sfm evaluate: {summarize(metrics)}")
     if cfg.eval.downstream:
+        import torch
+
         from sfm.eval import downstream
 
+        if torch.cuda.is_available():  # the fine-tuning runs on the model's device
+            model.to("cuda")
         metrics.update(downstream.evaluate_downstream(model, downstream.recipe_of(cfg.eval), example=figures["faults"]))
         print(f"sfm evaluate: {downstream.summarize(metrics)}")
     return metrics, figures

@@ -87,7 +87,8 @@ class Recipe:
 
 
 class FaultSegmenter(nn.Module):
-    """An MAE's encoder plus a linear head per token: imgs [N, 1, D, H, W] -> logits [N, D, H, W]."""
+    """An MAE's encoder plus a linear head per token: imgs [N, 1, D, H, W] -> logits [N, D, H, W], on the
+    encoder's device (inputs are moved there)."""
 
     def __init__(self, mae: nn.Module):
         super().__init__()
@@ -95,13 +96,20 @@ class FaultSegmenter(nn.Module):
         self.head = nn.Linear(mae.cfg.embed_dim, math.prod(mae.cfg.patch) * mae.cfg.in_chans)
         nn.init.trunc_normal_(self.head.weight, std=0.02)
         nn.init.zeros_(self.head.bias)
+        self.head.to(device_of(mae))
 
     def forward(self, imgs: torch.Tensor) -> torch.Tensor:
+        imgs = imgs.to(self.head.weight.device, non_blocking=True)
         return self.logits(self.mae.encode(imgs), self.mae.grid_shape(imgs))
 
     def logits(self, tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """tokens [N, L, E] -> per-voxel logits [N, D, H, W]."""
         return self.mae.unpatchify(self.head(tokens), grid)[:, 0]
+
+
+def device_of(module: nn.Module) -> torch.device:
+    """Where a module's parameters live: the evaluation runs its networks there (CPU or a GPU)."""
+    return next(module.parameters()).device
 
 
 def encoder_parameters(mae: nn.Module) -> list[tuple[int, list[nn.Parameter]]]:
@@ -146,7 +154,7 @@ def predict(net: FaultSegmenter, amplitude: np.ndarray, batch_size: int = 8) -> 
     count = np.zeros(amplitude.shape, np.float32)
     net.eval()
     for first in range(0, len(origins), batch_size):
-        probs = torch.sigmoid(net(imgs[first:first + batch_size])).numpy()
+        probs = torch.sigmoid(net(imgs[first:first + batch_size])).float().cpu().numpy()
         for (i, j, k), p in zip(origins[first:first + batch_size], probs):
             total[i:i + crop[0], j:j + crop[1], k:k + crop[2]] += p
             count[i:i + crop[0], j:j + crop[1], k:k + crop[2]] += 1
@@ -207,7 +215,8 @@ def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *,
         for group in optimizer.param_groups:
             group["lr"] = recipe.lr * group["lr_scale"] * factor
         imgs, labels = random_crops(train, mae.cfg.crop, recipe.batch_size, rng)
-        loss = balanced_bce(net(imgs), labels, positive)
+        logits = net(imgs)
+        loss = balanced_bce(logits, labels.to(logits.device, non_blocking=True), positive)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -238,14 +247,14 @@ def supervised_pretrain(mae: nn.Module, volumes: list[Volume], recipe: Recipe, *
 def tokens_of(mae: nn.Module, volumes: list[Volume], batch_size: int = 8
               ) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, int, int]]]]:
     """Frozen tokens of every tile of ``volumes``: tokens [M, L, E], the tiles' label patches [M, L, P]
-    and each volume's tile origins."""
-    crop = mae.cfg.crop
+    (both on the CPU, whatever the encoder's device) and each volume's tile origins."""
+    crop, device = mae.cfg.crop, device_of(mae)
     mae.eval()
     toks, labs, origins = [], [], []
     for amplitude, faults in volumes:
         where = tiles(amplitude.shape, crop)
         imgs = cut(amplitude, where, crop)
-        toks += [mae.encode(imgs[i:i + batch_size]).float() for i in range(0, len(imgs), batch_size)]
+        toks += [mae.encode(imgs[i:i + batch_size].to(device)).float().cpu() for i in range(0, len(imgs), batch_size)]
         labs.append(mae.patchify(cut(faults.astype(np.float32), where, crop)))
         origins.append(where)
     return torch.cat(toks), torch.cat(labs), origins
@@ -343,6 +352,9 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
     ``ft_all_seeds_gain_b<N>`` and, with probes, ``linear_ap_*`` / ``knn_ap_*``. ``example``, if given,
     receives the first test volume (``amplitude``, ``faults``) and the fault probability both fine-tuned
     networks give it (``pretrained``, ``random``: [IL, XL, NS]) at the smallest budget, seed 0.
+
+    Every network runs on ``model``'s device (move the model to a GPU to evaluate there); ``model`` itself
+    is not changed.
     """
     if recipe is None:
         from sfm.config import EvalConfig
@@ -380,7 +392,8 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
                         continue
                     state = pretrained_state if init == "pretrained" else None
                     for kind, score in one_run(model.cfg, state, train, test, recipe, seed, init=init,
-                                               validation=validation, example=shown).items():
+                                               validation=validation, example=shown,
+                                               device=device_of(model)).items():
                         runs.setdefault(f"{kind}_{init}", []).append(score)
                     score = runs[f"ft_{init}"][-1]
                     log(f"sfm downstream: budget {budget} seed {seed} {init}: AP {score['ap']:.4f} "
@@ -398,18 +411,20 @@ def _plain(value: Any) -> Any:
 
 
 def one_run(cfg, state: dict | None, train: list[Volume], test: list[Volume], recipe: Recipe, seed: int, *,
-            init: str, validation: list[Volume] | None = None, example: dict | None = None
-            ) -> dict[str, dict[str, float]]:
+            init: str, validation: list[Volume] | None = None, example: dict | None = None,
+            device: torch.device | str = "cpu") -> dict[str, dict[str, float]]:
     """One paired run: the encoder of architecture ``cfg`` (weights ``state``, or seed ``seed``'s random
     init when None) probed frozen and fine-tuned on ``train``, scored on ``test``: {"ft": scores,
     "linear": ..., "knn": ...} (the probes as the recipe asks). Early stopping scores the whole
-    ``validation`` volumes, or without them the held-out inlines of ``train`` (``recipe.validation``)."""
+    ``validation`` volumes, or without them the held-out inlines of ``train`` (``recipe.validation``).
+    The networks run on ``device``; the random init is drawn on the CPU, so it is the same on any device."""
     from sfm.model.mae import MaskedAutoencoder3D
 
     torch.manual_seed(10_000 + seed)  # the random init of seed s, the same for every budget
     mae = MaskedAutoencoder3D(cfg)
     if state is not None:
         mae.load_state_dict(state)
+    mae.to(device)
     out: dict[str, dict[str, float]] = {}
     if validation:
         fit, held = train, whole(validation)
