@@ -1,7 +1,7 @@
 """Does more pretraining help? The quality configuration's recipe and variants of it pretrained side by
 side on one GPU, each fine-tuned against random initialisation (issue 15).
 
-    python benchmarks/gpu_quality.py            # one H100/H200-class GPU and 16 cores: about 8 minutes
+    python benchmarks/gpu_quality.py            # one H100/H200-class GPU and 16 cores: about 9 minutes
     python benchmarks/gpu_quality.py --smoke    # CPU, a few steps: checks the script runs at all
     python benchmarks/gpu_quality.py --variants "base:;long:steps=16000;wide:batch=32,seed=1"
 
