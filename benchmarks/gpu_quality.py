@@ -21,8 +21,9 @@ encoder on the GPU at budgets 1, 4 and 16 volumes, seeds 0-2, with the configura
 (probes off), beside one random-init arm per architecture.
 
 Variants run in worker processes sharing the GPU (``--workers``); each prints its JSON line when done. The
-last line is one JSON object: per variant the AP per budget and seed, the gain over the random arm per
-seed and on average, whether every seed gained, the samples seen (steps x batch) and the seconds taken.
+last line is one JSON object: per variant the AP per budget and seed, the headline figures of
+``sfm.eval.downstream.gains`` against the random arm (``ft_ap_gain_b<N>``, ``ft_min_gain_b<N>``,
+``ft_all_seeds_gain_b<N>``, ...), the samples seen (steps x batch) and the seconds taken.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def parse_variants(spec: str) -> list[tuple[str, dict]]:
     out = []
     for item in filter(None, (s.strip() for s in spec.split(";"))):
         name, _, pairs = item.partition(":")
+        if name == "random":
+            raise SystemExit("variant name 'random' is the random-init arm's; name the variant otherwise")
         over = {}
         for pair in filter(None, pairs.split(",")):
             key, _, value = pair.partition("=")
@@ -95,6 +98,7 @@ def make_survey(args: tuple[str, int, tuple[int, int, int]]) -> None:
 def pretrain(job, v: dict, device: str, folder: str):
     """The MAE of the configuration pretrained with settings ``v``: (model on ``device``, mean loss of
     the last tenth of the steps, seconds)."""
+    import numpy as np
     import torch
 
     from sfm.model import MaskedAutoencoder3D, model_config_for
@@ -105,8 +109,6 @@ def pretrain(job, v: dict, device: str, folder: str):
     model = MaskedAutoencoder3D(cfg).to(device)
     t = job.train
     optimizer = build_optimizer(model, lr=v["lr"], weight_decay=t.weight_decay, betas=t.betas)
-    import numpy as np
-
     surveys = torch.stack([torch.from_numpy(np.load(survey_file(folder, k))) for k in range(v["surveys"])]).to(device)
     n_surveys, shape = surveys.shape[0], surveys.shape[1:]
     crop = cfg.crop
@@ -164,13 +166,14 @@ def run_variant(args: tuple) -> dict:
         model, loss, seconds = pretrain(job, v, device, folder)
         cfg, state, arm = model.cfg, {k: x.detach().cpu() for k, x in model.state_dict().items()}, "pretrained"
         record.update(samples_seen=v["steps"] * v["batch"], final_loss=round(loss, 4), pretrain_s=round(seconds, 1))
-    ap: dict[str, list[float]] = {}
+    scores: dict[str, list[dict[str, float]]] = {}  # per budget, the fine-tuned scores of each seed
     for budget in recipe.budgets:
         for seed in range(seeds):
             run = downstream.one_run(cfg, state, budget_volumes(pool, budget, seed), test, recipe, seed, init=arm,
                                      validation=validation, device=device)
-            ap.setdefault(str(budget), []).append(round(run["ft"]["ap"], 4))
-    record.update(ap=ap, seconds=round(time.perf_counter() - t0, 1))
+            scores.setdefault(str(budget), []).append(run["ft"])
+    record.update(ap={b: [round(s["ap"], 4) for s in runs] for b, runs in scores.items()}, scores=scores,
+                  seconds=round(time.perf_counter() - t0, 1))
     return record
 
 
@@ -204,15 +207,18 @@ def main() -> None:
         for future in cf.as_completed(futures):
             records.append(future.result())
             print(json.dumps(records[-1]), flush=True)
-    random_ap = next(r for r in records if r["name"] == "random")["ap"]
+    from sfm.eval.downstream import gains
+
+    by_name = {r["name"]: r for r in records}
+    random_arm = by_name["random"]
     rows = []
-    for name, _ in variants:
-        r = next(r for r in records if r["name"] == name)
-        gains = {b: [round(p - q, 4) for p, q in zip(r["ap"][b], random_ap[b])] for b in r["ap"]}
-        rows.append({**r, "gains": gains, "gain": {b: round(sum(g) / len(g), 4) for b, g in gains.items()},
-                     "all_seeds_gain": {b: all(x > 0 for x in g) for b, g in gains.items()}})
+    for r in (by_name[name] for name, _ in variants):
+        headline = {}
+        for budget, runs in r.pop("scores").items():
+            headline.update(gains({"ft_pretrained": runs, "ft_random": random_arm["scores"][budget]}, int(budget)))
+        rows.append({**r, **headline})
     print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "smoke": args.smoke,
-                      "config": os.path.relpath(CONFIG, ROOT), "base": base, "random": random_ap, "variants": rows,
+                      "config": os.path.relpath(CONFIG, ROOT), "base": base, "random": random_arm["ap"], "variants": rows,
                       "surveys_s": round(surveys_s, 1), "seconds": round(time.perf_counter() - t0, 1)}))
 
 

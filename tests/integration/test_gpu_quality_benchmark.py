@@ -42,9 +42,10 @@ def test_gpu_quality_smoke_pretrains_and_fine_tunes_without_the_data_stack(tmp_p
     for row in rows.values():
         assert set(row["ap"]) == {"1", "4"} and all(0 < ap < 1 for aps in row["ap"].values() for ap in aps)
         for budget, aps in row["ap"].items():
-            expected = [round(p - q, 4) for p, q in zip(aps, result["random"][budget])]
-            assert row["gains"][budget] == expected
-            assert row["all_seeds_gain"][budget] == all(g > 0 for g in expected)
+            paired = [p - q for p, q in zip(aps, result["random"][budget])]
+            assert row[f"ft_ap_gain_b{budget}"] == pytest.approx(sum(paired) / len(paired), abs=1e-4)
+            assert row[f"ft_min_gain_b{budget}"] == pytest.approx(min(paired), abs=1e-4)
+            assert row[f"ft_all_seeds_gain_b{budget}"] == all(g > 0 for g in paired)
     assert sorted(p.name for p in (tmp_path / "surveys").iterdir()) == ["survey-0.npy", "survey-1.npy"]
 
 
@@ -53,3 +54,9 @@ def test_gpu_quality_refuses_an_unknown_setting():
                           cwd=PROJECT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "unknown setting 'depth'" in proc.stderr and "steps" in proc.stderr
+
+
+def test_gpu_quality_refuses_a_variant_named_like_the_random_arm():
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_quality.py", "--smoke", "--variants", "random:steps=5"],
+                          cwd=PROJECT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "'random' is the random-init arm's" in proc.stderr
