@@ -12,6 +12,7 @@ gradient accumulation through :func:`sfm.distributed.strategies.no_sync`.
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import json
 import os
 from pathlib import Path
@@ -102,6 +103,8 @@ def worker(rank: int, port: int, out_dir: str, s3_root: str) -> None:
                 "sharded": [type(p).__name__ for p in parallelize.unwrap(model).parameters()][:1],
                 "weights": weights.tolist() if rank == 0 else None,
             }
+            del model, optimizer, fresh, fresh_opt
+            gc.collect()  # as in worker_without_private_api
         dist.barrier()  # no rank tears gloo down while the other still has work in flight on it
     finally:
         dist.destroy_process_group()
@@ -169,6 +172,8 @@ def overlap_worker(rank: int, port: int, out_dir: str) -> None:
             loss.backward()
             in_flight.append(len(gloo_overlap._PENDING.works))
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        del model
+        gc.collect()  # as in worker_without_private_api
     finally:
         dist.destroy_process_group()
     torch.save({"in_flight": in_flight, "grads": grads}, Path(out_dir, f"overlap{rank}.pt"))
@@ -216,7 +221,9 @@ def worker_without_private_api(rank: int, port: int, out_dir: str) -> None:
             model = parallelize.apply_strategy(make_model(), strategy)
             optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.05)
             results[strategy] = [train_step(model, optimizer, s, rank, WORLD) for s in range(STEPS + 1)]
-            del model, optimizer  # freed while the group is up, not by the interpreter after it is destroyed
+            del model, optimizer
+            gc.collect()  # FSDP2's hooks and state form cycles: free them (and the works and group handles
+            # they hold) while the group is up, not in the interpreter's teardown after it is destroyed
         dist.barrier()  # no rank tears gloo down while the other still has work in flight on it
     finally:
         dist.destroy_process_group()
