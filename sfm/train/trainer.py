@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import functools
+import gc
 import json
 import logging
 import math
@@ -372,6 +373,8 @@ def train(job: dict[str, Any]) -> TrainSummary | None:
             raise
         finally:
             watchdog.stop()
+        gc.collect()  # an FSDP2 model outlives its last reference (its hooks form cycles): free it, and the
+        # collectives and group handles it holds, while the group is up, not after it is gone
         accelerator.end_training()  # flushes the trackers and ends the process group
         if main:
             storage.upload(tb_dir, storage.join(run_root, "tensorboard"))
