@@ -3,7 +3,9 @@
 :class:`ResilientStore` wraps the zarr store of a survey (obstore or s3fs on S3, the local filesystem
 otherwise): transient failures (connection reset or refused, 5xx, throttling, timeouts) are retried
 with exponential backoff and jitter for up to ``retry_seconds``; it counts the bytes and requests it
-fetched. Nothing is copied to local disk.
+fetched. Nothing is copied to local disk. Bricks of sharded stores are read on the loader's own threads,
+by ranged GETs on S3 (:mod:`sfm.storage.ranged_get`) and ``os.preadv`` on a file system
+(:class:`sfm.storage.ranged_file.LocalRangeReader`); the rest goes through zarr.
 """
 
 
@@ -23,6 +25,7 @@ from sfm import storage
 from sfm.storage import clients
 from sfm.config import CLIENTS
 from sfm.errors import SFMError
+from sfm.storage.ranged_file import LocalRangeReader
 from sfm.storage.ranged_get import RangeReadError, S3RangeReader, reachable_directly
 
 
@@ -43,9 +46,9 @@ def is_transient(err: BaseException) -> bool:
     """
     if isinstance(err, RangeReadError):
         return err.transient
-    if isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError,
-                        TypeError, KeyError, IndexError, AttributeError, NotImplementedError, MemoryError,
-                        SFMError)):
+    if isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, EOFError,
+                        ValueError, TypeError, KeyError, IndexError, AttributeError, NotImplementedError,
+                        MemoryError, SFMError)):
         return False
     if _range_unsupported(err):
         return False
@@ -91,9 +94,9 @@ class ResilientStore(WrapperStore):
         self.retries = 0
         self.closed = False  # set by CropSampler.close: reads still running stop retrying
         self._count_lock = threading.Lock()
-        # bricks: blocking ranged GETs on the reading thread (sfm.storage.ranged_get), keys under range_prefix;
-        # None: every read goes through the zarr store
-        self.range_reader: S3RangeReader | None = None
+        # bricks: blocking ranged reads on the reading thread (S3: sfm.storage.ranged_get; a file system:
+        # LocalRangeReader), keys under range_prefix; None: every read goes through the zarr store
+        self.range_reader: S3RangeReader | LocalRangeReader | None = None
         self.range_prefix = ""
         # shard indexes (a small range at the start or end of a shard object): published stores never
         # change, so each is fetched once instead of once per crop
@@ -194,7 +197,9 @@ def open_survey_store(store_url: str, client: str = "auto", retry_seconds: float
         raise SFMError(f"data.client = {client!r} is not a client; use one of {', '.join(CLIENTS)}")
     url = storage.normalize(store_url)
     if not storage.is_s3(url):
-        return ResilientStore(storage.zarr_store(url, read_only=True), url, retry_seconds)
+        store = ResilientStore(storage.zarr_store(url, read_only=True), url, retry_seconds)
+        store.range_reader, store.range_prefix = LocalRangeReader(), url.rstrip("/") + "/"
+        return store
     if client == "obstore" and not clients.obstore_available():
         raise SFMError("data.client = 'obstore' but obstore is not installed; pip install obstore or use 'auto'")
     if client == "fsspec" or (client != "obstore" and not clients.obstore_available()):

@@ -110,6 +110,37 @@ class LocalFile(RangedFile):
             self.fd = -1
 
 
+class LocalRangeReader:
+    """Byte ranges of local files straight into the caller's buffer, on the calling thread: the loader's
+    brick transport for stores on a local or mounted file system (NVMe, FSx for Lustre), with the face of
+    :class:`sfm.storage.ranged_get.S3RangeReader` (``key`` is the file's path). zarr's own local reads hop
+    to its event loop and from there to a thread per read; this is one ``os.preadv`` per range."""
+
+    def read_into(self, key: str, start: int, end: int, out: np.ndarray) -> np.ndarray | None:
+        """Bytes ``[start, end)`` of file ``key`` as a view of ``out`` (uint8, at least ``end - start``
+        long); None when there is no such file. A file that ends before ``end`` raises EOFError (a
+        truncated store: retrying cannot help)."""
+        size = int(end) - int(start)
+        if size <= 0:
+            return out[:0]
+        if out.dtype != np.uint8 or out.size < size:
+            raise ValueError(f"out must be a uint8 buffer of at least {size} bytes")
+        try:
+            fd = os.open(key, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            view, done = out[:size], 0
+            while done < size:
+                got = os.preadv(fd, [view[done:]], int(start) + done)
+                if got == 0:
+                    raise EOFError(f"{key} ends at byte {int(start) + done}, before {int(end)}: the store is truncated")
+                done += got
+        finally:
+            os.close(fd)
+        return view
+
+
 class S3File(RangedFile):
     """An S3 object read by ranged GETs (see the module docstring). Its size is read once, at open."""
 

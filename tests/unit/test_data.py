@@ -21,6 +21,7 @@ from sfm import data
 from sfm.data import bricks, crops
 from sfm.config import JobConfig
 from sfm.errors import SFMError
+from sfm.storage.ranged_file import LocalRangeReader
 
 CROP = (16, 16, 16)
 
@@ -243,7 +244,12 @@ def write_store(path, ingested: str, amplitude: np.ndarray, live: np.ndarray, **
     {"chunks": (16, 8, 16), "shards": (32, 16, 32), "compressors": [zarr.codecs.GzipCodec()]},  # index at end
     {"chunks": (16, 16, 16), "shards": (16, 32, 64), "dtype": "float16"},
 ])
-def test_brick_reader_reads_what_zarr_reads(surveys, tmp_path, layout):
+def test_brick_reader_reads_what_zarr_reads(surveys, tmp_path, layout, monkeypatch):
+    """Sharded local stores are read by os.preadv on the loader's threads (LocalRangeReader), the rest
+    through zarr's event loop; both give what zarr's own read path gives."""
+    ranged = []
+    read_into = LocalRangeReader.read_into
+    monkeypatch.setattr(LocalRangeReader, "read_into", lambda self, *a: ranged.append(a[0]) or read_into(self, *a))
     layout = {"dtype": "float32", **layout}
     url = write_store(tmp_path / "direct.zarr", surveys.urls[0], surveys.amp[0], surveys.live[0], **layout)
     fast = data.CropSampler([url], (24, 20, 40), seed=29, augment=data.AUGMENTATIONS, min_live_fraction=0.3)
@@ -251,6 +257,28 @@ def test_brick_reader_reads_what_zarr_reads(surveys, tmp_path, layout):
                             brick_reader=False)
     assert isinstance(fast._readers[0], bricks.BrickReader) and slow._readers == [None]
     np.testing.assert_array_equal(fast.read_many(list(range(12))), slow.read_many(list(range(12))))
+    assert isinstance(fast._stores[0].range_reader, LocalRangeReader)
+    if "shards" in layout:
+        assert ranged and all(key.startswith(url + "/amplitude/") for key in ranged)
+    else:
+        assert not ranged
+
+
+def test_a_truncated_local_shard_fails_at_once_naming_the_survey(surveys, tmp_path):
+    """A shard file cut short is a broken store, not a slow one: the read fails without retrying."""
+    url = write_store(tmp_path / "cut.zarr", surveys.urls[0], surveys.amp[0], surveys.live[0], dtype="float32",
+                      chunks=(16, 16, 16), shards=(32, 32, 64), compressors=None)
+    index_bytes = 2 * 2 * 4 * 16 + 4  # (offset, nbytes) uint64 per brick of a shard, then a crc32c
+    for shard in (tmp_path / "cut.zarr" / "amplitude").rglob("c/*/*/*"):
+        with open(shard, "r+b") as fh:  # keep the index (at the end) where the reader looks for it
+            index = fh.read()[-index_bytes:]
+            fh.seek(0)
+            fh.truncate()
+            fh.write(index)
+    sampler = data.CropSampler([url], (24, 20, 40), seed=29, min_live_fraction=0.3, retry_seconds=60)
+    with pytest.raises(SFMError, match=r"reading survey .*cut\.zarr.*EOFError: .* the store is truncated"):
+        sampler.read_many(list(range(4)))
+    assert sampler._stores[0].retries == 0
 
 
 def test_layouts_the_brick_reader_does_not_know_are_read_through_zarr(surveys, tmp_path):
