@@ -16,6 +16,9 @@ trace headers, :meth:`RangedFile.windows`) and runs of traces from many threads
   never leaves a gap or a shifted byte.
 
 Nothing is written to local disk.
+
+:class:`LocalRangeReader` is the crop loader's face of the same ``os.preadv``: byte ranges of any file by
+path, as :class:`sfm.storage.ranged_get.S3RangeReader` reads them from S3 (:func:`sfm.data.store.open_survey_store`).
 """
 
 from __future__ import annotations
