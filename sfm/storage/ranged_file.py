@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from sfm.errors import SFMError
+from sfm.storage.ranged_get import range_size
 
 PREFETCH_WINDOWS = 4  # S3 windows in flight ahead of the consumer
 RETRY_SECONDS = 120.0  # how long one S3 range may keep failing transiently before the error is raised
@@ -76,6 +77,18 @@ class RangedFile:
         self.close()
 
 
+def _pread_full(fd: int, view, offset: int) -> int:
+    """Read into ``view`` (writable, byte-addressed) from ``offset`` of ``fd`` until it is full or the
+    file ends; returns the bytes read."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
 class LocalFile(RangedFile):
     def __init__(self, path: str):
         if os.path.isdir(path):
@@ -87,14 +100,7 @@ class LocalFile(RangedFile):
         self.size = os.fstat(self.fd).st_size
 
     def read_into(self, offset: int, buf) -> int:
-        view = memoryview(buf).cast("B")
-        done = 0
-        while done < len(view):
-            got = os.preadv(self.fd, [view[done:]], offset + done)
-            if got == 0:
-                break
-            done += got
-        return done
+        return _pread_full(self.fd, memoryview(buf).cast("B"), offset)
 
     def windows(self, start: int, stop: int, window: int) -> Iterator[tuple[int, memoryview]]:
         for offset in range(start, stop, window):
@@ -123,25 +129,20 @@ class LocalRangeReader:
         """Bytes ``[start, end)`` of file ``key`` as a view of ``out`` (uint8, at least ``end - start``
         long); None when there is no such file. A file that ends before ``end`` raises EOFError (a
         truncated store: retrying cannot help)."""
-        size = int(end) - int(start)
-        if size <= 0:
+        size = range_size(start, end, out)
+        if size == 0:
             return out[:0]
-        if out.dtype != np.uint8 or out.size < size:
-            raise ValueError(f"out must be a uint8 buffer of at least {size} bytes")
         try:
             fd = os.open(key, os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
-            view, done = out[:size], 0
-            while done < size:
-                got = os.preadv(fd, [view[done:]], int(start) + done)
-                if got == 0:
-                    raise EOFError(f"{key} ends at byte {int(start) + done}, before {int(end)}: the store is truncated")
-                done += got
+            done = _pread_full(fd, out[:size], int(start))
         finally:
             os.close(fd)
-        return view
+        if done < size:
+            raise EOFError(f"{key} ends at byte {int(start) + done}, before {int(end)}: the store is truncated")
+        return out[:size]
 
 
 class S3File(RangedFile):

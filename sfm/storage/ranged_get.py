@@ -50,6 +50,15 @@ def reachable_directly(endpoint: str | None) -> bool:
     return not urllib.request.getproxies().get(parts.scheme) or bool(urllib.request.proxy_bypass(parts.hostname or ""))
 
 
+def range_size(start: int, end: int, out: np.ndarray) -> int:
+    """How many bytes ``[start, end)`` holds (0 for an empty range), after checking that ``out`` is a
+    uint8 buffer with room for them: the check every range reader's ``read_into`` makes first."""
+    size = max(0, int(end) - int(start))
+    if size and (out.dtype != np.uint8 or out.size < size):
+        raise ValueError(f"out must be a uint8 buffer of at least {size} bytes")
+    return size
+
+
 class S3RangeReader:
     """Ranged GETs of one bucket's objects, one keep-alive connection per calling thread.
 
@@ -137,11 +146,9 @@ class S3RangeReader:
         and throttling), and OSError / ``http.client.HTTPException`` when the connection fails; a
         failed connection is closed, so the next call opens a new one.
         """
-        size = int(end) - int(start)
-        if size <= 0:
+        size = range_size(start, end, out)
+        if size == 0:
             return out[:0]
-        if out.dtype != np.uint8 or out.size < size:
-            raise ValueError(f"out must be a uint8 buffer of at least {size} bytes")
         presigned_again = False
         while True:
             parts = self._url(key, fresh=presigned_again)
