@@ -248,7 +248,7 @@ class RegionPool:
                 st = entry.stat()
             except OSError:
                 continue
-            if entry.name.endswith(".tmp") and now - st.st_mtime > 600:
+            if entry.name.endswith(".tmp") and _builder_gone(entry.name, now - st.st_mtime):
                 _unlink(Path(entry.path))
             elif entry.name.endswith(".region"):
                 entries.append((st.st_mtime, st.st_size, entry.path))
@@ -285,6 +285,23 @@ class RegionPool:
         except PermissionError:
             return False
         return False
+
+
+def _builder_gone(tmp_name: str, age_seconds: float) -> bool:
+    """Whether the temporary file ``<region>.<pid>.<thread>.tmp`` was left by a builder that died. Its age
+    cannot tell: a recycled region file keeps the modification time of its last use, so a live builder's
+    file may look hours old."""
+    try:
+        pid = int(tmp_name.split(".")[-3])
+    except (IndexError, ValueError):
+        return age_seconds > 600  # not named by a builder of this pool version
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _touch(path: Path) -> None:

@@ -172,6 +172,27 @@ def test_past_its_budget_the_pool_recycles_the_oldest_file(tmp_path):
     assert pool.use(names[0], shape, np.float32, fill_with(7.0), total) == 7.0 * 16 ** 3
 
 
+def test_a_region_built_in_a_recycled_old_file_survives_another_builders_scan(tmp_path):
+    # a pool left by an earlier run: its files keep the time of their last use, and a file recycled
+    # for a new region keeps it too while the region is built; another builder must not take that
+    # builder's temporary file for a dead one's
+    shape = (8, 8, 8)
+    size = 4096 + 8 ** 3 * 4
+    pool = RegionPool(str(tmp_path), budget_bytes=size)
+    old, first, second = (RegionPool.name("s", regions.Region(0, (8 * n, 0, 0), shape), np.float32) for n in range(3))
+    assert pool.use(old, shape, np.float32, fill_with(1.0), total) == 512.0
+    an_hour_ago = time.time() - 3600
+    os.utime(tmp_path / f"{old}.region", (an_hour_ago, an_hour_ago))
+
+    def build_first(array):  # while it builds, another thread of the node builds another region
+        assert pool.use(second, shape, np.float32, fill_with(3.0), total) == 3.0 * 512
+        array.fill(2.0)
+
+    assert pool.use(first, shape, np.float32, build_first, total) == 2.0 * 512
+    assert (tmp_path / f"{first}.region").exists() and not list(tmp_path.glob("*.tmp"))
+    assert pool.use(first, shape, np.float32, fill_with(9.0), total) == 2.0 * 512  # found, not rebuilt
+
+
 def test_a_read_of_a_region_recycled_under_it_is_done_again(tmp_path):
     shape = (8, 8, 8)
     pool = RegionPool(str(tmp_path), budget_bytes=1 << 30)
