@@ -278,13 +278,7 @@ class RegionPool:
         if time.time() - since > self.wait_seconds:
             log.warning("region pool: %s has been held for over %.0f s; taking it over", lock, self.wait_seconds)
             return True
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+        return _process_gone(pid)
 
 
 def _builder_gone(tmp_name: str, age_seconds: float) -> bool:
@@ -295,6 +289,11 @@ def _builder_gone(tmp_name: str, age_seconds: float) -> bool:
         pid = int(tmp_name.split(".")[-3])
     except (IndexError, ValueError):
         return age_seconds > 600  # not named by a builder of this pool version
+    return _process_gone(pid)
+
+
+def _process_gone(pid: int) -> bool:
+    """True when no process ``pid`` exists on this node (one of another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
