@@ -12,17 +12,37 @@ import numpy as np
 from sfm.eval.labelled import Volume
 
 
+def ranked(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Scores and labels sorted by score, high to low, and the last index of each distinct score there
+    (tied scores share a threshold, so their order among themselves does not matter).
+
+    float32 scores (what the evaluation predicts) take one ``np.sort`` of 64-bit keys that hold the
+    score's bits and the label, several times faster than ``argsort`` over the 2M voxels of the test
+    volumes; any other dtype sorts by ``argsort``. Returns (scores [n], labels bool [n], last [distinct])."""
+    s = np.asarray(scores).ravel()
+    y = np.asarray(labels).ravel().astype(bool)
+    if s.dtype == np.float32:
+        bits = (s + np.float32(0.0)).view(np.int32).astype(np.int64)  # + 0.0: -0.0 becomes 0.0
+        bits = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # ordered like the floats they hold
+        key = np.sort((bits << 1) | y)[::-1]
+        bits, y = key >> 1, (key & 1).astype(bool)
+        bits = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        s = bits.astype(np.int32).view(np.float32)
+    else:
+        s = s.astype(np.float64)
+        order = np.argsort(-s, kind="stable")
+        s, y = s[order], y[order]
+    last = np.r_[np.flatnonzero(np.diff(s)), len(s) - 1]
+    return s, y, last
+
+
 def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
     """Area under the precision-recall curve as a step function (scikit-learn's definition):
     sum over thresholds of (recall_n - recall_{n-1}) * precision_n; tied scores share a threshold."""
-    s = np.asarray(scores, np.float64).ravel()
-    y = np.asarray(labels).ravel().astype(bool)
+    _, y, last = ranked(scores, labels)
     positives = int(y.sum())
     if positives == 0:
         return float("nan")
-    order = np.argsort(-s, kind="stable")
-    s, y = s[order], y[order]
-    last = np.r_[np.flatnonzero(np.diff(s)), len(s) - 1]  # the last index of each distinct score
     tp = np.cumsum(y)[last]
     precision = tp / (last + 1)
     recall = tp / positives
@@ -31,11 +51,7 @@ def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
 
 def best_threshold(scores: np.ndarray, labels: np.ndarray) -> float:
     """The threshold ``t`` that maximises F1 of ``scores >= t``."""
-    s = np.asarray(scores, np.float64).ravel()
-    y = np.asarray(labels).ravel().astype(bool)
-    order = np.argsort(-s, kind="stable")
-    s, y = s[order], y[order]
-    last = np.r_[np.flatnonzero(np.diff(s)), len(s) - 1]
+    s, y, last = ranked(scores, labels)
     tp = np.cumsum(y)[last]
     f1 = 2 * tp / (last + 1 + y.sum())
     return float(s[last[int(np.argmax(f1))]])

@@ -44,6 +44,23 @@ def test_average_precision_follows_its_definition_with_ties():
     assert fault_scores.average_precision(np.zeros(5), labels) == pytest.approx(0.4)  # no ranking: the prevalence
 
 
+def test_float32_scores_rank_as_their_float64_values_do():
+    """The evaluation's float32 predictions take a packed-key sort: it must give the same AP and threshold
+    as the general path, with negative scores, ties, and -0.0 tied with 0.0."""
+    rng = np.random.default_rng(2)
+    for _ in range(10):
+        labels = rng.random(400) < 0.2
+        scores = np.round(rng.standard_normal(400) + 0.7 * labels, 1).astype(np.float32)
+        scores[:6], scores[6:12] = -0.0, 0.0
+        wide = scores.astype(np.float64)
+        assert fault_scores.average_precision(scores, labels) == fault_scores.average_precision(wide, labels)
+        assert fault_scores.average_precision(scores, labels) == pytest.approx(brute_force_ap(wide, labels), abs=1e-12)
+        assert fault_scores.best_threshold(scores, labels) == fault_scores.best_threshold(wide, labels)
+    s, y, last = fault_scores.ranked(np.array([0.5, -0.0, 2.0, 0.0, -1.0], np.float32), np.array([1, 0, 1, 1, 0]))
+    assert s.tolist() == [2.0, 0.5, 0.0, 0.0, -1.0] and last.tolist() == [0, 1, 3, 4]
+    assert sorted(y[2:4].tolist()) == [False, True] and y[[0, 1, 4]].tolist() == [True, True, False]
+
+
 def test_best_threshold_maximises_f1():
     rng = np.random.default_rng(1)
     labels = rng.random(400) < 0.3
