@@ -131,6 +131,7 @@ class ModelConfig:
     preset: str = "tiny"
     mask_ratio: float = 0.75
     mask_tube: str = ""  # "": patches masked independently; inline | crossline | sample: whole columns along it
+    decoder_mask_ratio: float = 0.0  # dual masking: this fraction of the masked patches is not decoded in training
     patch: tuple[int, int, int] | None = None  # None: the preset's
     decoder_depth: int = 0  # 0: the preset's
     decoder_embed_dim: int = 0  # 0: the preset's
@@ -315,6 +316,9 @@ class JobConfig:
                 and e.finetune_lr > 0):
             raise SFMError("train.lr must be > 0, train.min_lr >= 0, data.min_live_fraction in [0, 1], "
                            "model.mask_ratio in (0, 1) and eval.finetune_lr > 0")
+        if not 0 <= self.model.decoder_mask_ratio < 1:
+            raise SFMError(f"model.decoder_mask_ratio = {self.model.decoder_mask_ratio}: the fraction of masked patches "
+                           "the decoder skips must be in [0, 1) (0: decode every patch)")
         if not 0 <= e.validation < 1:
             raise SFMError(f"eval.validation = {e.validation}: the held-out fraction of each labelled volume "
                            "must be in [0, 1) (0: no early stopping)")
@@ -350,6 +354,9 @@ class JobConfig:
             raise SFMError(f"dist.strategy = {d.strategy!r} is not a strategy; use one of {', '.join(STRATEGIES)}")
         if d.cp < 1:
             raise SFMError(f"dist.cp = {d.cp} must be at least 1")
+        if d.cp > 1 and self.model.decoder_mask_ratio > 0:
+            raise SFMError(f"model.decoder_mask_ratio = {self.model.decoder_mask_ratio} is not implemented with "
+                           f"dist.cp = {d.cp}: the context-parallel decoder decodes every patch; set it to 0")
         if d.cp > 1 and d.strategy != "ddp":
             raise SFMError(f"dist.cp = {d.cp} runs with dist.strategy = ddp (data parallel over the dp x cp mesh); "
                            f"{d.strategy} with context parallelism is not supported yet")

@@ -26,17 +26,21 @@ def _blocks_fwd_flops(tokens: int, dim: int, depth: int, mlp_ratio: float) -> fl
 
 
 def forward_flops_per_sample(cfg: MAEConfig) -> dict[str, float]:
-    """Forward FLOPs of one sample at cfg.crop and cfg.mask_ratio, by part."""
+    """Forward FLOPs of one training sample at cfg.crop and cfg.mask_ratio, by part (the decoder over the
+    patches it decodes: all, or with cfg.decoder_mask_ratio the kept ones and part of the masked)."""
     L = cfg.num_patches
     K = max(1, int(L * (1 - cfg.mask_ratio)))
+    D = L
+    if cfg.decoder_mask_ratio > 0 and L > K:  # as MaskedAutoencoder3D.decoded_patches
+        D = K + max(1, (L - K) - int((L - K) * cfg.decoder_mask_ratio))
     P = math.prod(cfg.patch) * cfg.in_chans
     E, Ed = cfg.embed_dim, cfg.decoder_embed_dim
     return {
         "patch_embed": 2 * L * P * E,  # all patches are embedded, then masked
         "encoder": _blocks_fwd_flops(K + 1, E, cfg.depth, cfg.mlp_ratio),
         "decoder_embed": 2 * (K + 1) * E * Ed,
-        "decoder": _blocks_fwd_flops(L + 1, Ed, cfg.decoder_depth, cfg.mlp_ratio),
-        "decoder_pred": 2 * L * Ed * P,
+        "decoder": _blocks_fwd_flops(D + 1, Ed, cfg.decoder_depth, cfg.mlp_ratio),
+        "decoder_pred": 2 * D * Ed * P,
     }
 
 

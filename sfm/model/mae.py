@@ -41,6 +41,7 @@ class MAEConfig:
     mask_ratio: float = 0.75
     norm_pix_loss: bool = True
     mask_tube: str = ""  # "": mask patches independently; "inline" | "crossline" | "sample": whole columns along that axis
+    decoder_mask_ratio: float = 0.0  # in training, this fraction of the masked patches is not decoded (dual masking)
 
 
     def __post_init__(self):
@@ -65,6 +66,8 @@ class MAEConfig:
                 )
         if not 0.0 <= self.mask_ratio < 1.0:
             raise ValueError(f"MAEConfig: mask_ratio must be in [0, 1), got {self.mask_ratio}")
+        if not 0.0 <= self.decoder_mask_ratio < 1.0:
+            raise ValueError(f"MAEConfig: decoder_mask_ratio must be in [0, 1), got {self.decoder_mask_ratio}")
         if self.mlp_ratio <= 0:
             raise ValueError(f"MAEConfig: mlp_ratio must be > 0, got {self.mlp_ratio}")
         if self.mask_tube not in TUBE_AXES:
@@ -395,8 +398,9 @@ class MaskedAutoencoder3D(nn.Module):
         return self.norm(x), mask, ids_restore
 
     def forward_decoder(self, latent: torch.Tensor, ids_restore: torch.Tensor,
-                        grid: Int3 | None = None) -> torch.Tensor:
-        """latent [N, 1+K, E], ids_restore [N, L] -> pred [N, L, P] (voxels of every patch).
+                        grid: Int3 | None = None, decode: torch.Tensor | None = None) -> torch.Tensor:
+        """latent [N, 1+K, E], ids_restore [N, L] -> pred [N, L, P] (voxels of every patch), or with
+        ``decode`` [N, M] (patch indices) pred [N, M, P] of those patches only: the decoder sees just them.
 
         grid defaults to cfg.crop's grid; pass it when the input was another size.
         """
@@ -408,9 +412,22 @@ class MaskedAutoencoder3D(nn.Module):
         x_ = torch.cat([x[:, 1:], mask_tokens], dim=1)  # kept first, then masked: shuffled order
         x_ = torch.gather(x_, 1, ids_restore.unsqueeze(-1).expand(-1, -1, Ed))  # unshuffle
         x_ = x_ + self.pos_embed(grid, Ed, x_)
+        if decode is not None:
+            x_ = torch.gather(x_, 1, decode.unsqueeze(-1).expand(-1, -1, Ed))
         x = self._run(self.decoder_blocks, torch.cat([x[:, :1], x_], dim=1))
         x = self.decoder_norm(x)[:, 1:]  # drop cls before the head
         return self.decoder_pred(x)
+
+    def decoded_patches(self, ids_restore: torch.Tensor, kept: int) -> torch.Tensor:
+        """Dual masking (VideoMAE V2): the patches the decoder sees in training, [N, K + M] indices: the
+        ``kept`` visible ones and the ``M`` masked ones with the lowest masking noise, M the masked
+        patches less ``cfg.decoder_mask_ratio`` of them (at least one). The masking noise is uniform, so
+        they are a random subset, drawn from the same noise as the mask (exact resume needs no new draw)."""
+        L = ids_restore.shape[1]
+        masked = L - kept
+        decoded = max(1, masked - int(masked * self.cfg.decoder_mask_ratio)) if masked else 0
+        ids_shuffle = torch.argsort(ids_restore, dim=1)  # patches by rising noise: kept first
+        return ids_shuffle[:, :kept + decoded]
 
     def patch_targets(self, imgs: torch.Tensor) -> torch.Tensor:
         """Reconstruction targets [N, L, P] in the loss's space: the raw patches, or with
@@ -431,11 +448,22 @@ class MaskedAutoencoder3D(nn.Module):
 
     def forward(self, imgs: torch.Tensor, mask_ratio: float | None = None, generator: torch.Generator | None = None,
                 noise: torch.Tensor | None = None):
-        """imgs [N, C, D, H, W] -> (loss, pred [N, L, P], mask [N, L]); ``noise`` [N, L]: see random_masking."""
+        """imgs [N, C, D, H, W] -> (loss, pred [N, L, P], mask [N, L]); ``noise`` [N, L]: see random_masking.
+
+        In training with ``cfg.decoder_mask_ratio`` > 0 the decoder sees only :meth:`decoded_patches`:
+        the loss is over the masked patches among them, ``pred`` is 0 at every other patch and ``mask``
+        marks just the masked patches that were decoded (the ones the loss is over)."""
         mask_ratio = self.cfg.mask_ratio if mask_ratio is None else mask_ratio
         grid = self.grid_shape(imgs)
         latent, mask, ids_restore = self.forward_encoder(imgs, mask_ratio, generator, noise)
-        pred = self.forward_decoder(latent, ids_restore, grid)
+        if self.training and self.cfg.decoder_mask_ratio > 0:
+            decode = self.decoded_patches(ids_restore, latent.shape[1] - 1)
+            part = self.forward_decoder(latent, ids_restore, grid, decode)
+            pred = part.new_zeros(*mask.shape, part.shape[-1]).scatter(
+                1, decode.unsqueeze(-1).expand(-1, -1, part.shape[-1]), part)
+            mask = mask * torch.zeros_like(mask).scatter(1, decode, 1.0)
+        else:
+            pred = self.forward_decoder(latent, ids_restore, grid)
         loss = self.forward_loss(imgs, pred, mask)
         return loss, pred, mask
 

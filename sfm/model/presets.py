@@ -44,7 +44,8 @@ def model_config_for(cfg) -> MAEConfig:
     from sfm.errors import SFMError
 
     m = cfg.model
-    overrides: dict = {"crop": tuple(cfg.data.crop), "mask_ratio": m.mask_ratio, "mask_tube": m.mask_tube}
+    overrides: dict = {"crop": tuple(cfg.data.crop), "mask_ratio": m.mask_ratio, "mask_tube": m.mask_tube,
+                       "decoder_mask_ratio": m.decoder_mask_ratio}
     if m.patch:
         overrides["patch"] = tuple(m.patch)
     if m.decoder_depth:

@@ -14,11 +14,15 @@ def test_job_settings_are_validated_with_the_key_and_the_fix():
                           (dict(config={"data": {"augment": "rotate"}}), "data.augment names rotate"),
                           (dict(config={"train": {"snapshots": [1.5]}}), "train.snapshots"),
                           (dict(config={"data": {"client": "curl"}}), "data.client = 'curl' is not valid"),
-                          (dict(config={"data": {"batch_dtype": "int8"}}), "but ingest.dtype = 'float32'; set ingest")):
+                          (dict(config={"data": {"batch_dtype": "int8"}}), "but ingest.dtype = 'float32'; set ingest"),
+                          (dict(config={"model": {"decoder_mask_ratio": 1.0}}), "model.decoder_mask_ratio = 1.0"),
+                          (dict(config={"model": {"decoder_mask_ratio": 0.5}}, cp=2, procs_per_node=2),
+                           "not implemented with dist.cp = 2")):
         config = kwargs.pop("config", {})
         with pytest.raises(SFMError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
             pipeline.job_config(config, **kwargs)
     pipeline.job_config({})  # the defaults pass
+    assert pipeline.job_config({"model": {"decoder_mask_ratio": 0.5}}).model.decoder_mask_ratio == 0.5
     pipeline.job_config({"ingest": {"dtype": "int8"}, "data": {"batch_dtype": "int8"}})
 
 

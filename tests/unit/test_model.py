@@ -64,6 +64,7 @@ def test_config_round_trips_through_json():
         (dict(embed_dim=100, num_heads=12), "num_heads"),
         (dict(decoder_embed_dim=500, decoder_num_heads=16), "decoder_num_heads"),
         (dict(mask_ratio=1.0), "mask_ratio"),
+        (dict(decoder_mask_ratio=1.0), "decoder_mask_ratio"),
         (dict(crop=(128, 128)), "crop"),
     ],
 )
@@ -178,6 +179,39 @@ def test_loss_counts_only_masked_patches(tiny):
     t = (t - t.mean(-1, keepdim=True)) / (t.var(-1, keepdim=True) + 1e-6).sqrt()
     by_hand = ((pred - t) ** 2).mean(-1)[mask.bool()].mean()
     torch.testing.assert_close(loss, by_hand)
+
+
+def test_dual_masking_decodes_the_visible_and_part_of_the_masked_patches():
+    """decoder_mask_ratio (VideoMAE V2's dual masking): in training the decoder sees the visible patches
+    and the masked ones with the lowest masking noise; the loss is over those masked ones only."""
+    torch.manual_seed(0)
+    model = build_model(mae_config("tiny", decoder_mask_ratio=0.5))  # 64 patches, 16 visible, 48 masked
+    x = layered_volumes(3)
+    noise = torch.rand(3, 64, generator=torch.Generator().manual_seed(5))
+    model.train()
+    loss, pred, mask = model(x, noise=noise)
+    rank = torch.argsort(torch.argsort(noise, dim=1), dim=1)  # each patch's place by rising noise
+    decoded = rank < 16 + 24
+    assert mask.sum(1).tolist() == [24.0] * 3
+    assert torch.equal(mask.bool(), decoded & (rank >= 16))
+    assert torch.all(pred[~decoded] == 0) and torch.all(pred[decoded].abs().sum(-1) > 0)
+    t = model.patchify(x)
+    t = (t - t.mean(-1, keepdim=True)) / (t.var(-1, keepdim=True) + 1e-6).sqrt()
+    torch.testing.assert_close(loss, ((pred - t) ** 2).mean(-1)[mask.bool()].mean())
+    # the same noise decodes the same patches; a shorter decoder sequence changes what it predicts
+    torch.testing.assert_close(model(x, noise=noise)[0], loss)
+    full = build_model(mae_config("tiny"))
+    full.load_state_dict(model.state_dict())
+    full.train()
+    _, full_pred, full_mask = full(x, noise=noise)
+    assert full_mask.sum(1).tolist() == [48.0] * 3
+    assert not torch.allclose(full_pred[decoded], pred[decoded], atol=1e-4)
+    # evaluation decodes every patch, as the reconstruction metrics expect
+    model.eval()
+    with torch.no_grad():
+        _, eval_pred, eval_mask = model(x, noise=noise)
+    assert eval_mask.sum(1).tolist() == [48.0] * 3
+    torch.testing.assert_close(eval_pred, full(x, noise=noise)[1].detach())
 
 
 def test_patch_targets_normalise_each_patch(tiny):
@@ -328,7 +362,8 @@ def test_tiny_preset_learns_layered_volumes():
 @pytest.mark.parametrize(
     "name, overrides",
     [("tiny", {}), ("small", dict(crop=(64, 64, 64), depth=4, decoder_depth=2)),
-     ("tiny", dict(crop=(32, 48, 64), mlp_ratio=2.0, mask_ratio=0.6))],
+     ("tiny", dict(crop=(32, 48, 64), mlp_ratio=2.0, mask_ratio=0.6)),
+     ("tiny", dict(decoder_mask_ratio=0.5))],
 )
 def test_train_flops_match_flop_counter(name, overrides):
     cfg = mae_config(name, **overrides)
