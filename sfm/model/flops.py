@@ -30,9 +30,7 @@ def forward_flops_per_sample(cfg: MAEConfig) -> dict[str, float]:
     patches it decodes: all, or with cfg.decoder_mask_ratio the kept ones and part of the masked)."""
     L = cfg.num_patches
     K = max(1, int(L * (1 - cfg.mask_ratio)))
-    D = L
-    if cfg.decoder_mask_ratio > 0 and L > K:  # as MaskedAutoencoder3D.decoded_patches
-        D = K + max(1, (L - K) - int((L - K) * cfg.decoder_mask_ratio))
+    D = K + cfg.decoded_masked(L - K)  # the patches the decoder sees
     P = math.prod(cfg.patch) * cfg.in_chans
     E, Ed = cfg.embed_dim, cfg.decoder_embed_dim
     return {

@@ -83,6 +83,11 @@ class MAEConfig:
     def num_patches(self) -> int:
         return math.prod(self.grid)
 
+    def decoded_masked(self, masked: int) -> int:
+        """How many of ``masked`` masked patches the decoder sees in training: all of them, or with dual
+        masking all less ``decoder_mask_ratio`` of them (at least one while any is masked)."""
+        return max(1, masked - int(masked * self.decoder_mask_ratio)) if masked else 0
+
     def to_dict(self) -> dict:
         """JSON-able dict (tuples become lists)."""
         d = asdict(self)
@@ -423,9 +428,7 @@ class MaskedAutoencoder3D(nn.Module):
         ``kept`` visible ones and the ``M`` masked ones with the lowest masking noise, M the masked
         patches less ``cfg.decoder_mask_ratio`` of them (at least one). The masking noise is uniform, so
         they are a random subset, drawn from the same noise as the mask (exact resume needs no new draw)."""
-        L = ids_restore.shape[1]
-        masked = L - kept
-        decoded = max(1, masked - int(masked * self.cfg.decoder_mask_ratio)) if masked else 0
+        decoded = self.cfg.decoded_masked(ids_restore.shape[1] - kept)
         ids_shuffle = torch.argsort(ids_restore, dim=1)  # patches by rising noise: kept first
         return ids_shuffle[:, :kept + decoded]
 
