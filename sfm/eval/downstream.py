@@ -14,7 +14,7 @@ the test volumes' seeds are disjoint from the labelled pool's. Any other source 
 The segmentation network is the encoder (``model.encode``: every patch, no masking, [N, L, E]) and a
 linear head per token that emits the patch's voxels ([N, L, P] logits, put back in place by
 ``model.unpatchify``): what it finds must be in the tokens. Fine-tuning trains both on random crops
-of the labelled volumes (random flips and inline/crossline swap), class-balanced binary
+of the labelled volumes (random flips, inline/crossline swap, polarity inversion, time reversal), class-balanced binary
 cross-entropy, AdamW with warmup and cosine decay and layer-wise learning-rate decay (MAE's
 fine-tuning recipe). Pretrained and random encoders see identical crops, heads and schedules for a
 seed (paired seeds); each may have its own peak learning rate (``lr_random``), as MAE tunes its

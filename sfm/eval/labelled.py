@@ -3,7 +3,7 @@
 - :func:`labelled_volumes`: FaultSeg3D-like volumes from :func:`sfm.ingest.geology.synthesize_volume`,
   normalised the way the training sampler normalises a survey; the pool's seeds and the test seeds are
   disjoint, and far from every survey seed the pipeline generates for pretraining.
-- :func:`random_crops`: fine-tuning batches with flips and inline/crossline swap.
+- :func:`random_crops`: fine-tuning batches with flips, inline/crossline swap, polarity inversion and time reversal.
 - :func:`tiles` / :func:`cut`: the crops that cover a whole volume, for prediction.
 - :func:`split_for_validation`: the held-out inlines early stopping scores, inside the label budget.
 - :func:`evaluation_validation` / :func:`whole`: separate labelled volumes early stopping scores instead.
@@ -46,7 +46,9 @@ def labelled_volumes(count: int, shape: Sequence[int], first_seed: int) -> list[
 def random_crops(volumes: list[Volume], crop: Sequence[int], count: int, rng: np.random.Generator
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` random crops with random inline/crossline flips (and swap when the crop is square in
-    IL x XL): images [count, 1, D, H, W] float32, labels [count, D, H, W] float32."""
+    IL x XL), polarity inversion and time reversal (each label-preserving for faults; with one labelled
+    volume a baseline without the last two overfits its few crops): images [count, 1, D, H, W] float32,
+    labels [count, D, H, W] float32."""
     d, h, w = crop
     imgs, labels = [], []
     for _ in range(count):
@@ -60,8 +62,13 @@ def random_crops(volumes: list[Volume], crop: Sequence[int], count: int, rng: np
             a, f = a[:, ::-1], f[:, ::-1]
         if swap and d == h:
             a, f = a.transpose(1, 0, 2), f.transpose(1, 0, 2)
-        imgs.append(np.ascontiguousarray(a))
-        labels.append(np.ascontiguousarray(f))
+        imgs.append(a)
+        labels.append(f)
+    for n, (invert, reverse) in enumerate(rng.integers(0, 2, size=(count, 2))):
+        if reverse:
+            imgs[n], labels[n] = imgs[n][:, :, ::-1], labels[n][:, :, ::-1]
+        if invert:
+            imgs[n] = -imgs[n]
     return torch.from_numpy(np.stack(imgs))[:, None], torch.from_numpy(np.stack(labels).astype(np.float32))
 
 

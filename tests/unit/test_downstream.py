@@ -86,6 +86,22 @@ def test_tiles_cover_every_voxel_and_predictions_average_overlaps():
     np.testing.assert_allclose(probs, 1 / (1 + np.exp(-volume)), rtol=1e-5)
 
 
+def test_fine_tuning_crops_keep_amplitude_and_labels_together_under_every_augmentation():
+    """Flips, swaps, polarity inversion and time reversal move the labels with the amplitude: here each
+    voxel's amplitude is +-(1 + its label), so |amplitude| - 1 must give the label back; faults lie in the
+    shallowest samples, so a time-reversed crop has them at its end."""
+    rng = np.random.default_rng(0)
+    faults = np.zeros((12, 12, 16), bool)
+    faults[:, :, :4] = rng.random((12, 12, 4)) < 0.5
+    volume = ((1.0 + faults) * (1 + 0.01 * rng.random(faults.shape))).astype(np.float32)
+    imgs, labels = labelled.random_crops([(volume, faults)], (8, 8, 16), 64, np.random.default_rng(1))
+    assert torch.equal(labels, (imgs[:, 0].abs() > 1.5).float())
+    signs = imgs[:, 0].flatten(1).sign()
+    assert bool((signs == 1).all(dim=1).any()) and bool((signs == -1).all(dim=1).any())  # both polarities
+    shallow, deep = labels[..., :4].sum(dim=(1, 2, 3)), labels[..., -4:].sum(dim=(1, 2, 3))
+    assert bool(((shallow > 0) & (deep == 0)).any()) and bool(((deep > 0) & (shallow == 0)).any())  # reversed too
+
+
 def test_labelled_volumes_are_normalised_and_seeded():
     a = labelled.labelled_volumes(2, (32, 32, 48), 123)
     b = labelled.labelled_volumes(2, (32, 32, 48), 123)
