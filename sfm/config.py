@@ -16,7 +16,8 @@ from typing import Any
 from sfm.errors import SFMError
 
 DEFAULT_TOML = Path(__file__).with_name("default.toml")
-AUGMENTATIONS = ("flip_inline", "flip_crossline", "swap")  # data.augment: what sfm.data.crops may apply per crop
+# data.augment: what sfm.data.crops may apply per crop (the last two: time axis reversed, polarity inverted)
+AUGMENTATIONS = ("flip_inline", "flip_crossline", "swap", "reverse_time", "invert_polarity")
 ALIGNMENTS = ("voxel", "brick")  # data.align: crop origins anywhere, or on the store's brick grid
 CLIENTS = ("auto", "http", "obstore", "fsspec")  # data.client: how the loader reads S3
 BATCH_DTYPES = ("float32", "float16", "int8")  # data.batch_dtype: the crops' value type (int8: stored values)
@@ -112,7 +113,7 @@ class DataConfig:
     min_live_fraction: float = 0.5
     seed: int = 0
     align: str = "voxel"  # crop origins anywhere, or "brick": on the store's brick grid (no read amplification)
-    augment: str = "flip_inline,flip_crossline,swap"  # any of these, comma-separated; swap only when crop IL == XL
+    augment: str = "flip_inline,flip_crossline,swap"  # any of AUGMENTATIONS, comma-separated; swap only when crop IL == XL
     workers: int = 0  # DataLoader worker processes per rank; 0 reads on threads of the training process
     read_threads: int = 8  # crop tiles read at once per process (each fetches its bricks concurrently)
     prefetch: int = 2  # batches each worker reads ahead

@@ -41,7 +41,9 @@ _TILE_VOXELS = 1 << 22  # largest tile read in one zarr call (16 MiB of float32)
 
 class Crop(NamedTuple):
     """Where sample ``i`` comes from. The source region is ``origin + extent`` of survey ``survey``;
-    the crop is that region flipped along inline/crossline as drawn, then transposed if ``swap``."""
+    the crop is that region flipped along inline/crossline as drawn, then transposed if ``swap``;
+    reversed along the sample (time) axis if ``reverse_time`` and negated if ``invert`` (the other
+    SEG polarity convention)."""
 
     survey: int
     origin: tuple[int, int, int]
@@ -50,6 +52,8 @@ class Crop(NamedTuple):
     flip_crossline: bool = False
     swap: bool = False
     region: Region | None = None  # the fetched region the crop is cut from (crops_per_region > 1)
+    reverse_time: bool = False
+    invert: bool = False
 
     def slab(self, start: int, stop: int) -> "Crop":
         """The crop whose voxels are rows ``[start, stop)`` (axis 0) of this crop as delivered.
@@ -116,7 +120,9 @@ class CropSampler:
         align: "voxel" (any origin) or "brick" (origins on the brick grid: an aligned crop that is a
             multiple of the brick reads exactly its own voxels).
         augment: any of "flip_inline", "flip_crossline", "swap" (swap inline/crossline; only drawn
-            when the crop's D == H, otherwise the crop's shape would change).
+            when the crop's D == H, otherwise the crop's shape would change), "reverse_time" (the
+            sample axis reversed) and "invert_polarity" (values negated; for int8 batches the sign
+            travels in each sample's affine, :class:`sfm.data.int8_batch.Int8Batch`).
         client, retry_seconds: see :func:`open_survey_store`.
         brick_reader: read through :mod:`sfm.data.bricks` where the store layout allows (a third less CPU
             than zarr's read path); False: always through zarr.
@@ -157,6 +163,7 @@ class CropSampler:
         self.align = align
         self.augment = augment
         self.swap_allowed = "swap" in augment and self.crop[0] == self.crop[1]
+        self._reverse_time, self._invert = "reverse_time" in augment, "invert_polarity" in augment
         if slab is not None:
             slab = (int(slab[0]), int(slab[1]))
             if not 0 <= slab[0] < slab[1] <= self.crop[0]:
@@ -307,7 +314,8 @@ class CropSampler:
         t0 = int(rng.integers(0, (s.shape[2] - self.crop[2]) // a + 1)) * a
         swap, flip_il, flip_xl = (bool(v) for v in rng.integers(0, 2, size=3))
         return Crop(k, (i0, j0, t0), self.crop, "flip_inline" in self.augment and flip_il,
-                    "flip_crossline" in self.augment and flip_xl, self.swap_allowed and swap)
+                    "flip_crossline" in self.augment and flip_xl, self.swap_allowed and swap,
+                    None, *self._time_and_sign(rng))
 
     def _locate_in_region(self, index: int) -> Crop:
         plan = self.plan
@@ -316,7 +324,16 @@ class CropSampler:
         origin = plan.grids[region.survey].crop_origin(region, rng)
         swap, flip_il, flip_xl = (bool(v) for v in rng.integers(0, 2, size=3))
         return Crop(region.survey, origin, self.crop, "flip_inline" in self.augment and flip_il,
-                    "flip_crossline" in self.augment and flip_xl, self.swap_allowed and swap, region)
+                    "flip_crossline" in self.augment and flip_xl, self.swap_allowed and swap, region,
+                    *self._time_and_sign(rng))
+
+    def _time_and_sign(self, rng: np.random.Generator) -> tuple[bool, bool]:
+        """(reverse_time, invert) of a crop, drawn after its flips and swap; nothing is drawn when
+        neither augmentation is on, so the streams without them are the ones they always were."""
+        if not (self._reverse_time or self._invert):
+            return False, False
+        reverse, invert = (bool(v) for v in rng.integers(0, 2, size=2))
+        return self._reverse_time and reverse, self._invert and invert
 
     def _step(self, s: SurveyInfo) -> tuple[int, int, int]:
         return s.bricks if self.align == "brick" else (1, 1, 1)
@@ -337,7 +354,7 @@ class CropSampler:
         view = out.reshape(c.shape)  # a view, since out is contiguous
         if c.swap:  # view[i, j, t] addresses the source voxel (origin + (i, j, t))
             view = view.transpose(1, 0, 2)
-        view = view[:: -1 if c.flip_inline else 1, :: -1 if c.flip_crossline else 1]
+        view = view[:: -1 if c.flip_inline else 1, :: -1 if c.flip_crossline else 1, :: -1 if c.reverse_time else 1]
         if c.region is not None:
             return [self.pool.submit(self._cut, c, view)]
         full = s.live_traces(c.origin[0], c.origin[1], c.extent[0], c.extent[1]) == c.extent[0] * c.extent[1]
@@ -357,7 +374,10 @@ class CropSampler:
 
         def copy(region: np.ndarray) -> None:
             clock = time.thread_time()
-            np.copyto(view, region[box])
+            if c.invert and self.dtype != np.int8:
+                np.negative(region[box], out=view)
+            else:
+                np.copyto(view, region[box])
             spent = time.thread_time() - clock
             with self._lock:
                 self.copy_cpu += spent
@@ -401,6 +421,8 @@ class CropSampler:
             np.copyto(dst, DEAD, where=~s.trace_mask[i0 + a0 : i0 + a1, j0 + b0 : j0 + b1, None])
         elif not full:
             dst *= s.trace_mask[i0 + a0 : i0 + a1, j0 + b0 : j0 + b1, None]
+        if c.invert and self.dtype != np.int8:  # int8: the sign goes with the sample's affine
+            np.negative(dst, out=dst)
 
     def read(self, index: int, out: np.ndarray | None = None) -> np.ndarray:
         """Sample ``index`` as [1, *shape] ([1, D, H, W] without a slab) of ``dtype``, normalised."""

@@ -101,7 +101,7 @@ class CropDataset(IterableDataset):
         crops = [self.sampler.locate(i) for i in self.sample_indices(batch)]
         futures = [f for n, c in enumerate(crops) for f in self.sampler.submit_crop(c, arr[n])]
         if self.sampler.dtype == np.int8:
-            affine = [self.sampler.surveys[c.survey].affine() for c in crops]
+            affine = [self.sampler.surveys[c.survey].affine(negate=c.invert) for c in crops]
             out = Int8Batch(out, torch.tensor(affine, dtype=torch.float32))
         return out, futures
 

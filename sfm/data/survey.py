@@ -85,12 +85,13 @@ class SurveyInfo:
         """``dst = stored``, unnormalised (int8 batches: the device normalises)."""
         np.copyto(dst, stored)
 
-    def affine(self) -> tuple[float, float, float, float]:
+    def affine(self, negate: bool = False) -> tuple[float, float, float, float]:
         """``(lo, hi, a, b)``: :meth:`normalise_into` as ``clamp(stored, lo, hi) * a + b``, in float32
-        (what an :class:`sfm.data.int8_batch.Int8Batch` carries per sample)."""
+        (what an :class:`sfm.data.int8_batch.Int8Batch` carries per sample); ``negate``: ``a`` and ``b``
+        negated, so the sample arrives with its polarity inverted (exactly the negated float32 values)."""
         lo, hi = ((c - self.offset) / self.scale for c in self.clip)
-        return (float(np.float32(lo)), float(np.float32(hi)), float(np.float32(self.scale / self.std)),
-                float(np.float32((self.offset - self.mean) / self.std)))
+        a, b = float(np.float32(self.scale / self.std)), float(np.float32((self.offset - self.mean) / self.std))
+        return (float(np.float32(lo)), float(np.float32(hi)), -a if negate else a, -b if negate else b)
 
     def live_traces(self, i0: int, j0: int, d: int, h: int) -> int:
         t = self.live_cells

@@ -92,7 +92,12 @@ def expected_crop(surveys, sampler: data.CropSampler, index: int) -> np.ndarray:
 
 
 def as_delivered(x: np.ndarray, c) -> np.ndarray:
-    """The source box ``x`` [D, H, W] of crop ``c`` flipped and swapped as the loader delivers it."""
+    """The source box ``x`` [D, H, W] of crop ``c`` flipped, swapped, time-reversed and negated as the
+    loader delivers it."""
+    if c.reverse_time:
+        x = x[:, :, ::-1]
+    if c.invert:
+        x = -x
     if c.flip_inline:
         x = x[::-1]
     if c.flip_crossline:

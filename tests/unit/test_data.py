@@ -107,7 +107,8 @@ def test_crops_are_normalised_with_the_stored_statistics(surveys):
         np.testing.assert_allclose(crops[i, 0], expected_crop(surveys, sampler, i), rtol=1e-5, atol=1e-5)
     # the test covered what it claims: both surveys, every augmentation, crops with dead traces
     assert {c.survey for c in located} == {0, 1}
-    assert all(any(getattr(c, a) for c in located) for a in ("flip_inline", "flip_crossline", "swap"))
+    assert all(any(getattr(c, a) for c in located)
+               for a in ("flip_inline", "flip_crossline", "swap", "reverse_time", "invert"))
     dead = (crops == 0).all(axis=-1).sum(axis=(1, 2, 3))
     assert dead.max() > 0
     for url, amp, live in zip(surveys.urls, surveys.amp, surveys.live):  # and the statistics are the survey's
@@ -141,6 +142,23 @@ def test_crops_under_the_live_threshold_never_appear(surveys, threshold):
     fractions = [surveys.live[c.survey][c.origin[0] : c.origin[0] + 16, c.origin[1] : c.origin[1] + 16].mean()
                  for c in map(unfiltered.locate, range(400))]
     assert min(fractions) < 0.5
+
+
+def test_time_reversal_and_polarity_leave_the_rest_of_the_stream_as_it_was(surveys):
+    """Turning on ``reverse_time``/``invert_polarity`` adds their draws after the others: every crop keeps
+    its survey, origin, flips and swap, so a run that turns them on changes only those two."""
+    base = data.CropSampler(surveys.urls, CROP, seed=5, augment=("flip_inline", "flip_crossline", "swap"))
+    more = data.CropSampler(surveys.urls, CROP, seed=5, augment=data.AUGMENTATIONS)
+    located = [(base.locate(i), more.locate(i)) for i in range(64)]
+    assert all(a == b._replace(reverse_time=False, invert=False) for a, b in located)
+    assert not any(a.reverse_time or a.invert for a, _ in located)
+    drawn = np.array([(b.reverse_time, b.invert) for _, b in located])
+    assert 0.25 < drawn.mean(axis=0).min() and drawn.mean(axis=0).max() < 0.75
+    x, y = base.read_many(list(range(8))), more.read_many(list(range(8)))
+    for n, (_, b) in enumerate(located[:8]):
+        want = x[n, 0][:, :, ::-1] if b.reverse_time else x[n, 0]
+        np.testing.assert_array_equal(y[n, 0], -want if b.invert else want)
+    base.close(), more.close()
 
 
 def test_swap_only_when_the_crop_allows_it(surveys):

@@ -65,7 +65,7 @@ def test_the_plan_gives_each_region_at_most_k_samples_of_one_rank_and_each_batch
 
 
 def test_pooled_crops_are_the_survey_voxels(surveys, tmp_path):
-    sampler = pooled(surveys, tmp_path, k=4)
+    sampler = pooled(surveys, tmp_path, k=4, augment=data.AUGMENTATIONS)
     try:
         batch = sampler.read_many(list(range(24)))
         for i in range(24):
