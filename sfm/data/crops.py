@@ -163,7 +163,6 @@ class CropSampler:
         self.align = align
         self.augment = augment
         self.swap_allowed = "swap" in augment and self.crop[0] == self.crop[1]
-        self._reverse_time, self._invert = "reverse_time" in augment, "invert_polarity" in augment
         if slab is not None:
             slab = (int(slab[0]), int(slab[1]))
             if not 0 <= slab[0] < slab[1] <= self.crop[0]:
@@ -330,10 +329,11 @@ class CropSampler:
     def _time_and_sign(self, rng: np.random.Generator) -> tuple[bool, bool]:
         """(reverse_time, invert) of a crop, drawn after its flips and swap; nothing is drawn when
         neither augmentation is on, so the streams without them are the ones they always were."""
-        if not (self._reverse_time or self._invert):
+        on_time, on_sign = "reverse_time" in self.augment, "invert_polarity" in self.augment
+        if not (on_time or on_sign):
             return False, False
         reverse, invert = (bool(v) for v in rng.integers(0, 2, size=2))
-        return self._reverse_time and reverse, self._invert and invert
+        return on_time and reverse, on_sign and invert
 
     def _step(self, s: SurveyInfo) -> tuple[int, int, int]:
         return s.bricks if self.align == "brick" else (1, 1, 1)
