@@ -311,29 +311,32 @@ class CropSampler:
         i0, j0 = origins.pick(int(rng.integers(0, origins.count)))
         a = self._step(s)[2]
         t0 = int(rng.integers(0, (s.shape[2] - self.crop[2]) // a + 1)) * a
-        swap, flip_il, flip_xl = (bool(v) for v in rng.integers(0, 2, size=3))
-        return Crop(k, (i0, j0, t0), self.crop, "flip_inline" in self.augment and flip_il,
-                    "flip_crossline" in self.augment and flip_xl, self.swap_allowed and swap,
-                    None, *self._time_and_sign(rng))
+        return Crop(k, (i0, j0, t0), self.crop, **self._orientation(rng))
 
     def _locate_in_region(self, index: int) -> Crop:
         plan = self.plan
         region = plan.region(self.seed, self.epoch, plan.anchor(index))
         rng = np.random.default_rng([self.seed, self.epoch, int(index), 1])
         origin = plan.grids[region.survey].crop_origin(region, rng)
-        swap, flip_il, flip_xl = (bool(v) for v in rng.integers(0, 2, size=3))
-        return Crop(region.survey, origin, self.crop, "flip_inline" in self.augment and flip_il,
-                    "flip_crossline" in self.augment and flip_xl, self.swap_allowed and swap, region,
-                    *self._time_and_sign(rng))
+        return Crop(region.survey, origin, self.crop, region=region, **self._orientation(rng))
 
-    def _time_and_sign(self, rng: np.random.Generator) -> tuple[bool, bool]:
-        """(reverse_time, invert) of a crop, drawn after its flips and swap; nothing is drawn when
-        neither augmentation is on, so the streams without them are the ones they always were."""
+    def _orientation(self, rng: np.random.Generator) -> dict[str, bool]:
+        """A crop's flips, swap, time reversal and polarity (its :class:`Crop` fields), each only as
+        ``augment`` allows. The flips and swap are always drawn; the other two after them and only when
+        one of them is on, so the streams without them are the ones they always were."""
+        swap, flip_il, flip_xl = (bool(v) for v in rng.integers(0, 2, size=3))
         on_time, on_sign = "reverse_time" in self.augment, "invert_polarity" in self.augment
-        if not (on_time or on_sign):
-            return False, False
-        reverse, invert = (bool(v) for v in rng.integers(0, 2, size=2))
-        return on_time and reverse, on_sign and invert
+        reverse = invert = False
+        if on_time or on_sign:
+            reverse, invert = (bool(v) for v in rng.integers(0, 2, size=2))
+        return dict(flip_inline="flip_inline" in self.augment and flip_il,
+                    flip_crossline="flip_crossline" in self.augment and flip_xl, swap=self.swap_allowed and swap,
+                    reverse_time=on_time and reverse, invert=on_sign and invert)
+
+    def _negates(self, c: Crop) -> bool:
+        """Whether reading ``c`` negates its values: an inverted crop, except in int8 batches, where the
+        sign travels in the sample's affine (:meth:`SurveyInfo.affine`)."""
+        return c.invert and self.dtype != np.int8
 
     def _step(self, s: SurveyInfo) -> tuple[int, int, int]:
         return s.bricks if self.align == "brick" else (1, 1, 1)
@@ -374,7 +377,7 @@ class CropSampler:
 
         def copy(region: np.ndarray) -> None:
             clock = time.thread_time()
-            if c.invert and self.dtype != np.int8:
+            if self._negates(c):
                 np.negative(region[box], out=view)
             else:
                 np.copyto(view, region[box])
@@ -421,7 +424,7 @@ class CropSampler:
             np.copyto(dst, DEAD, where=~s.trace_mask[i0 + a0 : i0 + a1, j0 + b0 : j0 + b1, None])
         elif not full:
             dst *= s.trace_mask[i0 + a0 : i0 + a1, j0 + b0 : j0 + b1, None]
-        if c.invert and self.dtype != np.int8:  # int8: the sign goes with the sample's affine
+        if self._negates(c):
             np.negative(dst, out=dst)
 
     def read(self, index: int, out: np.ndarray | None = None) -> np.ndarray:
