@@ -223,6 +223,8 @@ class EvalConfig:
     validate_every: int = 25  # fine-tuning steps between validation scores
     validation_volumes: int = 0  # early stopping on this many separate labelled volumes, the whole budget
     # fine-tuned (seeds disjoint from pool and test); 0: on the ``validation`` fraction of each budget volume
+    test_augment: bool = True  # fine-tuned networks score the test volumes with sliding windows every half
+    # crop and the 8 inline/crossline mirrorings averaged (nnU-Net's inference); early stopping scores plainly
 
 
 @dataclass

@@ -72,17 +72,19 @@ def random_crops(volumes: list[Volume], crop: Sequence[int], count: int, rng: np
     return torch.from_numpy(np.stack(imgs))[:, None], torch.from_numpy(np.stack(labels).astype(np.float32))
 
 
-def tile_origins(n: int, c: int) -> list[int]:
-    """Crop origins along an axis of ``n`` voxels: every ``c``, plus one flush with the end if needed."""
+def tile_origins(n: int, c: int, step: int | None = None) -> list[int]:
+    """Crop origins along an axis of ``n`` voxels: every ``step`` (default ``c``: no overlap), plus one flush
+    with the end if needed."""
     if n < c:
         raise ValueError(f"a labelled volume axis of {n} voxels is smaller than the model's crop of {c}")
-    origins = list(range(0, n - c + 1, c))
+    origins = list(range(0, n - c + 1, step or c))
     return origins if origins[-1] + c == n else origins + [n - c]
 
 
-def tiles(shape: Sequence[int], crop: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Origins of the crops that cover a volume of ``shape`` (overlapping only at the far ends)."""
-    axes = [tile_origins(n, c) for n, c in zip(shape, crop)]
+def tiles(shape: Sequence[int], crop: Sequence[int], overlap: bool = False) -> list[tuple[int, int, int]]:
+    """Origins of the crops that cover a volume of ``shape``: overlapping only at the far ends, or with
+    ``overlap`` every half crop (sliding windows, so every voxel is seen from several contexts)."""
+    axes = [tile_origins(n, c, max(1, c // 2) if overlap else None) for n, c in zip(shape, crop)]
     return [(i, j, k) for i in axes[0] for j in axes[1] for k in axes[2]]
 
 
