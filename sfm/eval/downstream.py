@@ -57,6 +57,7 @@ from torch import nn
 from sfm.eval.fault_scores import average_precision, scores
 from sfm.eval.labelled import (Held, Volume, budget_volumes, cut, evaluation_pool, evaluation_test,
                                evaluation_validation, random_crops, split_for_validation, tiles, whole)
+from sfm.eval.volume_predict import predict
 
 
 @dataclass
@@ -145,52 +146,6 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-
-@torch.no_grad()
-def mirrorings(crop: tuple[int, int, int]) -> list[tuple[bool, bool, bool]]:
-    """The label-preserving mirror images of a crop, as (flip inlines, flip crosslines, swap the two): all 8,
-    or the 4 flips when the crop is not square in IL x XL."""
-    swaps = (False, True) if crop[0] == crop[1] else (False,)
-    return [(fi, fj, sw) for fi in (False, True) for fj in (False, True) for sw in swaps]
-
-
-def _mirror(x: torch.Tensor, view: tuple[bool, bool, bool], inverse: bool = False) -> torch.Tensor:
-    """x [N, IL, XL, ...] seen in ``view`` (``inverse``: back from it)."""
-    fi, fj, sw = view
-    if sw and inverse:
-        x = x.transpose(1, 2)
-    if fi:
-        x = x.flip(1)
-    if fj:
-        x = x.flip(2)
-    if sw and not inverse:
-        x = x.transpose(1, 2)
-    return x
-
-
-def predict(net: FaultSegmenter, amplitude: np.ndarray, batch_size: int = 8, *, augment: bool = False) -> np.ndarray:
-    """Fault probability [IL, XL, NS] of a whole volume: its tiles' sigmoid, averaged where they overlap.
-
-    ``augment``: test-time augmentation as nnU-Net infers (sliding windows and mirroring): windows every
-    half crop along each axis, each seen in every :func:`mirrorings` view, the probabilities mapped back
-    and averaged, so a voxel's score does not hang on where the tile and patch borders fall or on its
-    side of a flip. It costs about 18x the plain prediction for a 64^3 volume and 32 x 32 x 64 crops."""
-    crop = tuple(net.mae.cfg.crop)
-    origins = tiles(amplitude.shape, crop, overlap=augment)
-    imgs = cut(amplitude, origins, crop)[:, 0]  # [M, D, H, W]
-    total = np.zeros(amplitude.shape, np.float32)
-    count = np.zeros(amplitude.shape, np.float32)
-    net.eval()
-    with torch.no_grad():
-        for view in mirrorings(crop) if augment else [(False, False, False)]:
-            for first in range(0, len(origins), batch_size):
-                seen = _mirror(imgs[first:first + batch_size], view).contiguous()[:, None]
-                probs = _mirror(torch.sigmoid(net(seen)).float().cpu(), view, inverse=True).numpy()
-                for (i, j, k), p in zip(origins[first:first + batch_size], probs):
-                    total[i:i + crop[0], j:j + crop[1], k:k + crop[2]] += p
-                    count[i:i + crop[0], j:j + crop[1], k:k + crop[2]] += 1
-    return total / count
 
 
 # ---- fine-tuning and probes -------------------------------------------------------------------------

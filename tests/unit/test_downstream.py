@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from sfm.eval import downstream, fault_scores, labelled
+from sfm.eval import downstream, fault_scores, labelled, volume_predict
 from sfm.config import EvalConfig, JobConfig
 from sfm.errors import SFMError
 from sfm.model import mae_config
@@ -82,7 +82,7 @@ def test_tiles_cover_every_voxel_and_predictions_average_overlaps():
     net = downstream.FaultSegmenter(MaskedAutoencoder3D(mae_config("tiny")))
     net.forward = lambda imgs: imgs[:, 0]
     volume = np.random.default_rng(2).standard_normal((40, 36, 70)).astype(np.float32)
-    probs = downstream.predict(net, volume)
+    probs = volume_predict.predict(net, volume)
     np.testing.assert_allclose(probs, 1 / (1 + np.exp(-volume)), rtol=1e-5)
 
 
@@ -90,14 +90,14 @@ def test_test_time_augmentation_maps_every_window_and_mirror_back_in_place():
     assert labelled.tile_origins(64, 32, 16) == [0, 16, 32]
     assert labelled.tile_origins(70, 32, 16) == [0, 16, 32, 38]
     assert len(labelled.tiles((64, 64, 64), (32, 32, 64), overlap=True)) == 9
-    assert len(downstream.mirrorings((32, 32, 64))) == 8 and len(downstream.mirrorings((32, 16, 64))) == 4
+    assert len(volume_predict.mirrorings((32, 32, 64))) == 8 and len(volume_predict.mirrorings((32, 16, 64))) == 4
     # a head that reads each voxel's own amplitude: however a window is flipped or swapped, the averaged
     # prediction must be sigmoid(amplitude) at every voxel (a view mapped back wrongly would misplace it)
     torch.manual_seed(0)
     net = downstream.FaultSegmenter(MaskedAutoencoder3D(mae_config("tiny")))
     net.forward = lambda imgs: imgs[:, 0]
     volume = np.random.default_rng(2).standard_normal((40, 36, 70)).astype(np.float32)
-    probs = downstream.predict(net, volume, augment=True)
+    probs = volume_predict.predict(net, volume, augment=True)
     np.testing.assert_allclose(probs, 1 / (1 + np.exp(-volume)), rtol=1e-5)
 
 
@@ -108,10 +108,10 @@ def test_test_time_augmentation_makes_a_real_network_mirror_equivariant():
     net = downstream.FaultSegmenter(MaskedAutoencoder3D(mae_config("tiny", **TINY)))
     volume = np.random.default_rng(4).standard_normal((64, 64, 32)).astype(np.float32)
     for mirror in (lambda v: v[::-1], lambda v: v[:, ::-1], lambda v: v.transpose(1, 0, 2)):
-        seen = downstream.predict(net, np.ascontiguousarray(mirror(volume)), augment=True)
-        np.testing.assert_allclose(seen, mirror(downstream.predict(net, volume, augment=True)), atol=1e-5)
-        plain = downstream.predict(net, np.ascontiguousarray(mirror(volume)))
-        assert np.abs(plain - mirror(downstream.predict(net, volume))).max() > 1e-3
+        seen = volume_predict.predict(net, np.ascontiguousarray(mirror(volume)), augment=True)
+        np.testing.assert_allclose(seen, mirror(volume_predict.predict(net, volume, augment=True)), atol=1e-5)
+        plain = volume_predict.predict(net, np.ascontiguousarray(mirror(volume)))
+        assert np.abs(plain - mirror(volume_predict.predict(net, volume))).max() > 1e-3
 
 
 def test_fine_tuning_crops_keep_amplitude_and_labels_together_under_every_augmentation():
