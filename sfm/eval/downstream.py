@@ -84,7 +84,7 @@ class Recipe:
     validate_every: int = 25  # fine-tuning steps between validation scores
     validation_volumes: int = 0  # early stopping on this many separate labelled volumes instead (0: the fraction)
     lr_random: float = 0.0  # the random-init arm's peak lr (0: ``lr``); each arm at the lr tuned for it
-    test_augment: bool = False  # score test (and threshold) predictions with test-time augmentation (``predict``)
+    test_augment: bool = True  # score test (and threshold) predictions with test-time augmentation (``predict``)
 
 
 # ---- the network ----------------------------------------------------------------------------------
