@@ -22,6 +22,7 @@ ALIGNMENTS = ("voxel", "brick")  # data.align: crop origins anywhere, or on the 
 CLIENTS = ("auto", "http", "obstore", "fsspec")  # data.client: how the loader reads S3
 BATCH_DTYPES = ("float32", "float16", "int8")  # data.batch_dtype: the crops' value type (int8: stored values)
 STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")
+OPTIMIZERS = ("adamw", "muon")  # train.optimizer (see sfm.train.muon)
 # keys earlier releases wrote into the configs they saved (checkpoints, registry versions), now without effect
 RETIRED_KEYS = {"eval.probe_train_volumes": "eval.downstream", "eval.probe_test_volumes": "eval.test_volumes"}  # dist.strategy: what sfm.distributed.strategies applies
 
@@ -146,6 +147,8 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.05
     betas: tuple[float, float] = (0.9, 0.95)
+    optimizer: str = "adamw"  # adamw | muon: Muon for the blocks' weight matrices, AdamW for the rest
+    muon_lr: float = 0.0  # peak rate of the Muon matrices (0: lr); the schedule scales it as it scales lr
     grad_clip: float = 1.0
     grad_accum: int = 1
     mixed_precision: str = "auto"  # auto: bf16 on CUDA, no on CPU
@@ -332,7 +335,8 @@ class JobConfig:
         RegionSettings.from_data(d).check()
         for key, value, valid in (("data.align", d.align, ALIGNMENTS), ("data.client", d.client, CLIENTS),
                                   ("data.batch_dtype", d.batch_dtype, BATCH_DTYPES),
-                                  ("dist.strategy", self.dist.strategy, STRATEGIES)):
+                                  ("dist.strategy", self.dist.strategy, STRATEGIES),
+                                  ("train.optimizer", t.optimizer, OPTIMIZERS)):
             if value not in valid:
                 raise SFMError(f"{key} = {value!r} is not valid; use one of {', '.join(valid)}")
         if d.batch_dtype == "int8" and self.ingest.dtype != "int8":
@@ -364,6 +368,9 @@ class JobConfig:
             raise SFMError(f"dist.cp = {d.cp} runs with dist.strategy = ddp (data parallel over the dp x cp mesh); "
                            f"{d.strategy} with context parallelism is not supported yet")
         world = d.nodes * d.procs_per_node if world is None else world
+        if self.train.optimizer == "muon" and d.strategy != "ddp" and world != 1:
+            raise SFMError(f"train.optimizer = muon orthogonalises each weight matrix whole, which {d.strategy}'s "
+                           "shards do not hold; use dist.strategy = ddp or train.optimizer = adamw")
         if world % d.cp:
             raise SFMError(f"dist.cp = {d.cp} does not divide the {world} training processes (nodes x processes per "
                            "node); choose a cp that divides it")

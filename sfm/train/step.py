@@ -2,7 +2,7 @@
 and what ``benchmarks/gpu_train.py`` times on a bare GPU (which has no metaflow, zarr or boto3).
 
 - :func:`build_optimizer`: AdamW, fused kernels wherever the device has them, no weight decay on
-  norms, biases and tokens (as in MAE).
+  norms, biases and tokens (as in MAE); or Muon for the blocks' weight matrices beside it (``sfm.train.muon``).
 - :func:`lr_at`: linear warmup, then cosine decay.
 - :func:`apply_training_options`: activation checkpointing and ``torch.compile``, applied to the
   model from outside, block by block (the way torchtitan's ``parallelize.py`` does).
@@ -20,6 +20,7 @@ from typing import Callable, ContextManager, Iterable, NamedTuple
 import torch
 
 from sfm.model import MaskedAutoencoder3D, mfu
+from sfm.train.muon import MuonAdamW, muon_parameters
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
@@ -32,18 +33,30 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float,
-                    betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+                    betas: tuple[float, float] = (0.9, 0.95), algorithm: str = "adamw",
+                    muon_lr: float = 0.0) -> torch.optim.Optimizer:
     """AdamW without weight decay on norms, biases and the cls/mask tokens.
 
     Fused (one kernel over all parameters) on CUDA and CPU: on CPU it is much faster than the
     per-tensor loop torch falls back to otherwise (BENCHMARKS.md "Training"), which matters once the
     model is large.
+
+    ``algorithm = "muon"``: the transformer blocks' weight matrices step by Muon at peak rate ``muon_lr``
+    (0: ``lr``), everything else by AdamW at ``lr`` (:class:`sfm.train.muon.MuonAdamW`, one optimiser).
     """
     decay, no_decay = [], []
+    muon_names = set(muon_parameters(model)) if algorithm == "muon" else set()
+    matrices = []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if p.ndim < 2 or name.endswith("_token") else decay).append(p)
+            if name in muon_names:
+                matrices.append(p)
+            else:
+                (no_decay if p.ndim < 2 or name.endswith("_token") else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if algorithm == "muon":
+        groups.append({"params": matrices, "weight_decay": weight_decay, "muon": True, "lr": muon_lr or lr})
+        return MuonAdamW(groups, lr=lr, betas=betas)
     device = next(model.parameters()).device
     fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused or None)

@@ -184,7 +184,8 @@ class Trainer:
                                                    units=strategies.sharding_units(self.model))
         self.step_model = step_model
         self.optimizer = build_optimizer(step_model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                                         betas=cfg.train.betas)
+                                         betas=cfg.train.betas, algorithm=cfg.train.optimizer,
+                                         muon_lr=cfg.train.muon_lr)
         lr_of_step = schedule(cfg)
         # stepped by hand once per optimiser step, whatever the world size
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_of_step(s) / cfg.train.lr)

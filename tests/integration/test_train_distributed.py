@@ -97,6 +97,23 @@ def test_ddp_two_ranks_equal_one_process_with_the_same_global_batch(survey_store
     assert len(digests) == 2 and digests[0] == digests[1], digests
 
 
+@pytest.mark.timeout(400)
+def test_muon_ddp_two_ranks_stay_identical_and_train_like_one_process(survey_store, tmp_path):
+    """train.optimizer = muon under DDP: every rank orthogonalises the same all-reduced gradient, so the
+    ranks end bit-identical, and train as one process with the same global batch does: the same losses;
+    the weights to a looser tolerance than AdamW's, since Newton-Schulz runs in bf16, where the rounding of
+    the reduction order moves single weights by up to ~1.5e-3 over 10 steps."""
+    runs = {}
+    for procs, batch in ((1, 8), (2, 4)):
+        job = job_for(survey_store, tmp_path / f"run{procs}", procs=procs, batch=batch)
+        job["config"]["train"].update(optimizer="muon", muon_lr=3e-3)
+        runs[procs] = run(job, procs, tmp_path / f"muon{procs}.log")
+    digests = runs[2]["rank_weight_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1], digests
+    assert losses(runs[2]) == pytest.approx(losses(runs[1]), rel=1e-4, abs=1e-6)
+    assert_same_weights(tmp_path / "run2", tmp_path / "run1", rtol=1e-2, atol=2e-3)
+
+
 def kill_after_first_checkpoint(proc: subprocess.Popen, run_root: Path, log: Path) -> int:
     ckpt = str(run_root / "ckpt")
     deadline = time.monotonic() + 240

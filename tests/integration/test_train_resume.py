@@ -127,6 +127,28 @@ def test_sigkilled_run_resumes_exactly_on_s3(survey_store, reference, tmp_path, 
 
 
 @pytest.mark.timeout(400)
+def test_sigkilled_muon_run_resumes_exactly(survey_store, reference, tmp_path):
+    """train.optimizer = muon: its momentum buffers and AdamW moments are checkpointed like AdamW's (and
+    it is Muon that trained: the same job with AdamW, ``reference``, has other losses)."""
+    def muon_job(run_root: str) -> dict:
+        job = make_job(survey_store, run_root)
+        job["config"]["train"].update(optimizer="muon", muon_lr=3e-3)
+        return job
+
+    ref_root = str(tmp_path / "reference")
+    ref = run_training(muon_job(ref_root), tmp_path, "muon-reference")
+    run_root = str(tmp_path / "run")
+    proc, log = start_training(muon_job(run_root), tmp_path, "muon-attempt0")
+    at_kill = kill_after_first_checkpoint(proc, storage.join(run_root, "ckpt"), log)
+    resumed = run_training(muon_job(run_root), tmp_path, "muon-attempt1")
+    assert resumed["summary"]["resumed_from_step"] in at_kill
+    assert_same_run(resumed, ref, run_root, ref_root)
+    assert json.loads(Path(run_root, "job_config.json").read_text())["train"]["optimizer"] == "muon"
+    adamw_losses = [h["loss"] for h in reference["summary"]["history"]]
+    assert [h["loss"] for h in ref["summary"]["history"]][1:] != pytest.approx(adamw_losses[1:], rel=1e-3)
+
+
+@pytest.mark.timeout(400)
 def test_unreadable_latest_checkpoint_falls_back_and_still_ends_exactly(reference, survey_store, tmp_path):
     run_root = tmp_path / "run"
     shutil.copytree(Path(reference["root"]) / "ckpt", run_root / "ckpt")

@@ -201,3 +201,65 @@ def test_gpu_benchmark_smoke_runs_with_torch_and_sfm_model_only():
     result = json.loads(lines[-2])
     assert result["smoke"] and result["runs"][0]["preset"] == "tiny" and result["runs"][0]["step_ms"] > 0
     assert 0 < result["mfu"]["tiny:32"] and result["goal_mfu"] == 0.45
+
+
+def test_muon_steps_the_block_matrices_as_torch_muon_and_the_rest_as_adamw():
+    """build_optimizer(algorithm="muon") = torch.optim.Muon (Moonshot's RMS matching) on the blocks' 2-D
+    weights beside torch's AdamW on everything else, step for step, with the schedule scaling both rates."""
+    x = volumes(2)
+    model, ref = tiny(), tiny()
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.05, algorithm="muon", muon_lr=3e-3)
+    names = {id(p): n for n, p in model.named_parameters()}
+    matrices = [g for g in opt.param_groups if g["muon"]]
+    assert len(matrices) == 1 and matrices[0]["lr"] == 3e-3
+    muon_names = {names[id(p)] for p in matrices[0]["params"]}
+    assert "blocks.0.attn.qkv.weight" in muon_names and "decoder_blocks.0.mlp.fc1.weight" in muon_names
+    assert not muon_names & {"patch_embed.weight", "decoder_pred.weight", "decoder_embed.weight", "cls_token"}
+    by_name = dict(ref.named_parameters())
+    ref_muon = torch.optim.Muon([by_name[n] for n in sorted(muon_names)], lr=3e-3, weight_decay=0.05,
+                                adjust_lr_fn="match_rms_adamw")
+    rest = [(n, p) for n, p in ref.named_parameters() if n not in muon_names]
+    ref_adamw = torch.optim.AdamW(
+        [{"params": [p for n, p in rest if p.ndim >= 2 and not n.endswith("_token")], "weight_decay": 0.05},
+         {"params": [p for n, p in rest if p.ndim < 2 or n.endswith("_token")], "weight_decay": 0.0}],
+        lr=1e-3, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    for step in range(3):  # the same gradients into both, so only the optimisers' arithmetic differs
+        torch.manual_seed(step)
+        model(x)[0].backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        opt.step()
+        sched.step()
+        for o, peak in ((ref_muon, 3e-3), (ref_adamw, 1e-3)):
+            for g in o.param_groups:
+                g["lr"] = peak * 0.5 ** step
+            o.step()
+        for o in (opt, ref_muon, ref_adamw):
+            o.zero_grad(set_to_none=True)
+        got, want = model.state_dict(), ref.state_dict()
+        for name in want:
+            assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-7), (step, name)
+    assert max_abs_diff(model.state_dict(), tiny().state_dict()) > 1e-4  # it did train
+
+
+def test_muon_state_round_trips_through_state_dict():
+    """A checkpoint's optimiser state (momentum buffers, AdamW moments, rates) resumes the same steps."""
+    x = volumes(2)
+    runs = []
+    for reload in (False, True):
+        model = tiny()
+        opt = build_optimizer(model, lr=1e-3, weight_decay=0.05, algorithm="muon")
+        for step in range(4):
+            if reload and step == 2:
+                saved_model, saved_opt = model.state_dict(), opt.state_dict()
+                model = tiny(seed=1)
+                model.load_state_dict(saved_model)
+                opt = build_optimizer(model, lr=5.0, weight_decay=0.5, algorithm="muon")
+                opt.load_state_dict(saved_opt)
+            torch.manual_seed(step)
+            model(x)[0].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs.append(model.state_dict())
+    assert max_abs_diff(runs[0], runs[1]) == 0
