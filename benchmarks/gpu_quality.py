@@ -12,7 +12,7 @@ several pretraining seeds, which is what the gains need (they move by +/-0.03 AP
 
 Each variant is a name and overrides of the configuration's pretraining (``configs/quality_cpu.toml``):
 ``steps``, ``batch``, ``lr``, ``warmup``, ``mask``, ``surveys``, ``seed`` (the pretraining seed: init,
-crops and masks). Its MAE is pretrained as ``sfm.train.trainer`` does it (``build_optimizer``, ``lr_at``
+crops and masks), ``optimizer`` (adamw | muon) and ``muon_lr``. Its MAE is pretrained as ``sfm.train.trainer`` does it (``build_optimizer``, ``lr_at``
 warmup and cosine decay, gradient clipping at 1.0, float32) on random crops of the configuration's
 generated training surveys, held in GPU memory: origins uniform, flips and inline/crossline swap at
 random, each survey clipped to its 0.1/99.9 percentiles and standardised (``sfm.eval.labelled.normalise``,
@@ -41,13 +41,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 CONFIG = os.path.join(ROOT, "configs", "quality_cpu.toml")
-KNOBS = {"steps": int, "batch": int, "lr": float, "warmup": int, "mask": float, "surveys": int, "seed": int}
+KNOBS = {"steps": int, "batch": int, "lr": float, "warmup": int, "mask": float, "surveys": int, "seed": int,
+         "optimizer": str, "muon_lr": float}
 # The question of BENCHMARKS.md "Quality" (2026-12-04, GPU): the configuration over three pretraining seeds
 # against 2x and 4x the samples seen, as a larger batch and as more steps.
 DEFAULT_VARIANTS = ("base-s0:seed=0;base-s1:seed=1;base-s2:seed=2;batch16:batch=16;steps8k:steps=8000;"
                     "batch32-s0:batch=32,seed=0;batch32-s1:batch=32,seed=1;batch32-s2:batch=32,seed=2;"
                     "steps16k:steps=16000")
-SMOKE_VARIANTS = "base:steps=6;half-batch:steps=6,batch=4"
+SMOKE_VARIANTS = "base:steps=6;half-batch:steps=6,batch=4,optimizer=muon"
 
 
 def parse_variants(spec: str) -> list[tuple[str, dict]]:
@@ -71,7 +72,8 @@ def recipe_for(job, smoke: bool) -> dict:
     """The configuration's pretraining settings, the knobs a variant overrides."""
     t, d = job.train, job.data
     base = {"steps": t.max_steps, "batch": d.batch_size, "lr": t.lr, "warmup": t.warmup_steps,
-            "mask": job.model.mask_ratio, "surveys": job.synth.train_surveys, "seed": 0}
+            "mask": job.model.mask_ratio, "surveys": job.synth.train_surveys, "seed": 0,
+            "optimizer": t.optimizer, "muon_lr": t.muon_lr}
     if smoke:
         base.update(surveys=2)
     return base
@@ -108,7 +110,9 @@ def pretrain(job, v: dict, device: str, folder: str):
     torch.manual_seed(v["seed"])
     model = MaskedAutoencoder3D(cfg).to(device)
     t = job.train
-    optimizer = build_optimizer(model, lr=v["lr"], weight_decay=t.weight_decay, betas=t.betas)
+    optimizer = build_optimizer(model, lr=v["lr"], weight_decay=t.weight_decay, betas=t.betas,
+                                algorithm=v["optimizer"], muon_lr=v["muon_lr"])
+    peaks = [group["lr"] for group in optimizer.param_groups]  # Muon's matrices have their own peak rate
     surveys = torch.stack([torch.from_numpy(np.load(survey_file(folder, k))) for k in range(v["surveys"])]).to(device)
     n_surveys, shape = surveys.shape[0], surveys.shape[1:]
     crop = cfg.crop
@@ -127,8 +131,9 @@ def pretrain(job, v: dict, device: str, folder: str):
             x = x.flip(1) if flips[b][1] else x
             crops.append(x.transpose(0, 1) if swap_ok and flips[b][2] else x)
         imgs = torch.stack(crops)[:, None].contiguous()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, lr=v["lr"], min_lr=t.min_lr, warmup_steps=v["warmup"], max_steps=v["steps"])
+        factor = lr_at(step, lr=v["lr"], min_lr=t.min_lr, warmup_steps=v["warmup"], max_steps=v["steps"]) / v["lr"]
+        for group, peak in zip(optimizer.param_groups, peaks):
+            group["lr"] = peak * factor
         loss = model(imgs)[0]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
