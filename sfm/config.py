@@ -126,6 +126,7 @@ class DataConfig:
     batch_dtype: str = "float32"  # float32 | float16 | int8 (int8 stores only: normalised on the device)
     pool_dir: str = ""  # decoded regions shared by a node's processes; "": /dev/shm, else the temp dir
     pool_mb: int = 0  # bound on the node pool's size; 0: two regions per lane for each of the node's ranks
+    cache_mb: int = 0  # normalised bricks each process keeps in memory (sfm.data.brick_cache); 0: none
 
 
 @dataclass
@@ -304,6 +305,7 @@ class JobConfig:
         d, t, e = self.data, self.train, self.eval
         at_least = {"data.batch_size": (d.batch_size, 1), "data.read_threads": (d.read_threads, 1),
                     "data.workers": (d.workers, 0), "data.prefetch": (d.prefetch, 1),
+                    "data.cache_mb": (d.cache_mb, 0),
                     "train.max_steps": (t.max_steps, 1), "train.warmup_steps": (t.warmup_steps, 0),
                     "train.grad_accum": (t.grad_accum, 1), "train.checkpoint_every": (t.checkpoint_every, 1),
                     "train.keep_checkpoints": (t.keep_checkpoints, 0), "train.log_every": (t.log_every, 1),

@@ -24,6 +24,7 @@ from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
+from sfm.data.brick_cache import BrickCache
 from sfm.data.bricks import BrickReader, zero_nonfinite
 from sfm.data.int8_batch import DEAD
 from sfm.config import ALIGNMENTS, AUGMENTATIONS, BATCH_DTYPES
@@ -136,13 +137,16 @@ class CropSampler:
             those rows need. The crops themselves (``locate``) do not change, so the context-parallel
             ranks of a group, each with its own slab (:func:`sfm.distributed.context_parallel.crop_slab`), read
             disjoint parts of the same crops. None: the whole crop.
+        cache_mb: keep up to this many MiB of bricks normalised in memory in each process
+            (:mod:`sfm.data.brick_cache`; brick-reader layouts), so surveys that fit are fetched, decoded
+            and normalised once, not for every crop that touches them; the crops are the same. 0: none.
     """
 
     def __init__(self, store_urls: list[str], crop: tuple[int, int, int], seed: int = 0,
                  min_live_fraction: float = 0.5, read_threads: int = 8, *, epoch: int = 0, align: str = "voxel",
                  augment: Iterable[str] = (), client: str = "auto", retry_seconds: float = 120.0,
                  brick_reader: bool = True, slab: tuple[int, int] | None = None,
-                 regions: RegionSettings | None = None, dtype: str = "float32"):
+                 regions: RegionSettings | None = None, dtype: str = "float32", cache_mb: int = 0):
         if not store_urls:
             raise SFMError("no survey stores to read; ingest at least one survey")
         self.crop = tuple(int(c) for c in crop)
@@ -180,6 +184,10 @@ class CropSampler:
         self.copy_cpu = 0.0  # thread CPU seconds cutting crops out of regions
         self.client, self.retry_seconds = client, float(retry_seconds)
         self.brick_reader = bool(brick_reader)
+        if int(cache_mb) < 0:
+            raise SFMError(f"data.cache_mb = {cache_mb} is not a size; give MiB >= 0 (0: no brick cache)")
+        self.cache_bytes = int(cache_mb) << 20
+        self._cache: BrickCache | None = None
         self._stores: list[ResilientStore] = []
         self._arrays: list[Any] = []
         infos = []
@@ -222,7 +230,8 @@ class CropSampler:
     # ---- processes: the live handles are reopened in each process that reads ----------------
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_stores=[], _arrays=[], _readers=[], _pool=None, _lock=None, _pid=None, copy_cpu=0.0)
+        state.update(_stores=[], _arrays=[], _readers=[], _pool=None, _lock=None, _pid=None, copy_cpu=0.0,
+                     _cache=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -251,6 +260,7 @@ class CropSampler:
                 self._stores.append(amp.store_path.store)
             self._readers = self._brick_readers()
             self._pool = None
+            self._cache = None  # each process keeps its own
             self._pid = os.getpid()
 
     def _brick_readers(self) -> list[BrickReader | None]:
@@ -271,13 +281,17 @@ class CropSampler:
 
     def cpu_stats(self) -> dict[str, float]:
         """Thread CPU seconds this process spent per phase: receive, decode, normalise (brick reader
-        reads) and copy (crops cut out of pooled regions); and the regions it built and reused."""
+        reads) and copy (crops cut out of pooled regions); the regions it built and reused; the brick
+        cache's hits, misses and size (MiB)."""
         spent = collections.Counter()
         for reader in self._readers:
             if reader is not None:
                 spent.update(reader.cpu)
         out = {phase: float(spent.get(phase, 0.0)) for phase in ("receive", "decode", "normalise")}
         out["copy"] = self.copy_cpu
+        cache = self._cache
+        out.update(cache_hits=cache.hits if cache else 0, cache_misses=cache.misses if cache else 0,
+                   cache_mb=cache.nbytes / 2**20 if cache else 0.0)
         pool = self.pool_of_regions
         out.update(regions_built=pool.built if pool else 0, regions_reused=pool.reused if pool else 0)
         return out
@@ -401,7 +415,9 @@ class CropSampler:
         reader = self._readers[survey]
         try:
             fill = s.copy_stored_into if self.dtype == np.int8 else s.normalise_into
-            if reader is not None:
+            if reader is not None and self.cache_bytes:
+                self._read_cached(survey, region, dst, fill)
+            elif reader is not None:
                 reader.read_into(region, dst, fill)
             else:
                 values = self._arrays[survey][region]
@@ -412,6 +428,28 @@ class CropSampler:
             raise SFMError(f"reading survey {s.name} ({s.store_url}) region [{where}] (indices) failed: "
                            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}; check the store "
                            f"is reachable (transient failures were retried for {self.retry_seconds:.0f} s)") from err
+
+    def _read_cached(self, survey: int, region: tuple[slice, slice, slice], dst: np.ndarray, fill) -> None:
+        """:meth:`_read_box` from the bricks ``region`` touches, each normalised whole once into the
+        process's :class:`BrickCache` (by ``fill``) and copied from there."""
+        s, reader = self.surveys[survey], self._readers[survey]
+        if self._cache is None:
+            with self._lock:
+                if self._cache is None:
+                    self._cache = BrickCache(self.cache_bytes)
+        ranges = [range(r.start // n, (r.stop - 1) // n + 1) for r, n in zip(region, reader.bricks)]
+        for brick in ((i, j, k) for i in ranges[0] for j in ranges[1] for k in ranges[2]):
+            box = tuple(slice(c * n, min((c + 1) * n, size)) for c, n, size in zip(brick, reader.bricks, s.shape))
+
+            def build(box=box) -> np.ndarray:
+                values = np.empty(tuple(b.stop - b.start for b in box), dtype=self.dtype)
+                reader.read_into(box, values, fill)
+                return values
+
+            values = self._cache.get((survey, brick), build)
+            part = tuple(slice(max(r.start, b.start), min(r.stop, b.stop)) for r, b in zip(region, box))
+            np.copyto(dst[tuple(slice(p.start - r.start, p.stop - r.start) for p, r in zip(part, region))],
+                      values[tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(part, box))])
 
     def _read_tile(self, c: Crop, tile, view: np.ndarray, full: bool) -> None:
         s = self.surveys[c.survey]

@@ -268,7 +268,7 @@ def training_stream(store_urls: list[str], data_cfg, rank: int = 0, world_size: 
         read_threads=data_cfg.read_threads, align=data_cfg.align,
         augment=[a.strip() for a in data_cfg.augment.split(",")], client=data_cfg.client,
         retry_seconds=data_cfg.retry_seconds, slab=slab, dtype=data_cfg.batch_dtype,
-        regions=RegionSettings.from_data(data_cfg),
+        regions=RegionSettings.from_data(data_cfg), cache_mb=data_cfg.cache_mb,
     )
     dataset = CropDataset(sampler, data_cfg.batch_size, rank, world_size, start_batch=start_batch,
                           prefetch=data_cfg.prefetch)
