@@ -15,6 +15,8 @@ parallelism give it that, FSDP's shards do not (``sfm.config`` refuses the pair)
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -46,6 +48,24 @@ def orthogonalise(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7) -> 
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
     x = x.mT if tall else x
     return x.reshape(g.shape).to(g.dtype)
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, threads) of this process
+
+
+def orthogonalise_all(stacks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`orthogonalise` of each stack [B, rows, cols], the same values as one after another. On a
+    CPU with several intra-op threads the stacks run concurrently on that many threads, largest first:
+    a bf16 batched product of these sizes runs on one core, so in turn they would leave the others idle."""
+    threads = torch.get_num_threads()
+    if len(stacks) < 2 or threads < 2 or stacks[0].device.type != "cpu":
+        return [orthogonalise(s) for s in stacks]
+    global _pool
+    if _pool is None or _pool[0] != os.getpid():
+        _pool = (os.getpid(), ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sfm-muon"))
+    order = sorted(range(len(stacks)), key=lambda i: -stacks[i].numel())
+    done = dict(zip(order, _pool[1].map(orthogonalise, [stacks[i] for i in order])))
+    return [done[i] for i in range(len(stacks))]
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -83,8 +103,8 @@ class MuonAdamW(torch.optim.Optimizer):
             buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
             buf.lerp_(p.grad, 1 - mu)  # an average of the gradients (a sum's direction: the scale drops out)
             by_shape.setdefault(p.shape, []).append((p, p.grad.lerp(buf, mu)))  # Nesterov
-        for shape, pairs in by_shape.items():
-            updates = orthogonalise(torch.stack([u for _, u in pairs]))
+        stacks = [torch.stack([u for _, u in pairs]) for pairs in by_shape.values()]
+        for (shape, pairs), updates in zip(by_shape.items(), orthogonalise_all(stacks)):
             for (p, _), update in zip(pairs, updates):
                 p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(shape)))
 

@@ -263,3 +263,22 @@ def test_muon_state_round_trips_through_state_dict():
             opt.zero_grad(set_to_none=True)
         runs.append(model.state_dict())
     assert max_abs_diff(runs[0], runs[1]) == 0
+
+
+def test_muon_orthogonalises_its_stacks_concurrently_to_the_same_values():
+    """On a CPU with several intra-op threads the shape stacks run on threads at once; the values are
+    those of one after another, bit for bit, in the order given."""
+    from sfm.train import muon
+
+    gen = torch.Generator().manual_seed(0)
+    stacks = [torch.randn(k, r, c, generator=gen) for k, r, c in ((4, 48, 16), (2, 16, 16), (1, 64, 16), (3, 16, 40))]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = muon.orthogonalise_all(stacks)
+        assert muon._pool is not None  # it did use the threads
+    finally:
+        torch.set_num_threads(threads)
+    alone = [muon.orthogonalise(s) for s in stacks]
+    assert [u.shape for u in together] == [s.shape for s in stacks]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
