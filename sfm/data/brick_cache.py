@@ -15,6 +15,7 @@ reading wait for it, so no brick is fetched twice at once.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 from concurrent.futures import Future
 from typing import Callable, Hashable
@@ -69,6 +70,25 @@ class BrickCache:
                     self._bytes -= old.nbytes
         pending.set_result(values)
         return values
+
+    def read_into(self, survey: Hashable, reader, shape: tuple[int, ...], region: tuple[slice, slice, slice],
+                  dst: np.ndarray, fill: Callable[[np.ndarray, np.ndarray], None]) -> None:
+        """``reader.read_into(region, dst, fill)`` (a :class:`sfm.data.bricks.BrickReader` of survey ``survey``,
+        amplitude ``shape``) through the cache: each brick ``region`` touches is filled whole, once, into an
+        array of ``dst``'s type kept under ``(survey, brick)``, and its part copied into ``dst``."""
+        ranges = [range(r.start // n, (r.stop - 1) // n + 1) for r, n in zip(region, reader.bricks)]
+        for brick in itertools.product(*ranges):
+            box = tuple(slice(c * n, min((c + 1) * n, size)) for c, n, size in zip(brick, reader.bricks, shape))
+
+            def build(box=box) -> np.ndarray:
+                values = np.empty(tuple(b.stop - b.start for b in box), dtype=dst.dtype)
+                reader.read_into(box, values, fill)
+                return values
+
+            values = self.get((survey, brick), build)
+            part = tuple(slice(max(r.start, b.start), min(r.stop, b.stop)) for r, b in zip(region, box))
+            np.copyto(dst[tuple(slice(p.start - r.start, p.stop - r.start) for p, r in zip(part, region))],
+                      values[tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(part, box))])
 
     @property
     def nbytes(self) -> int:

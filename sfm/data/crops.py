@@ -202,16 +202,7 @@ class CropSampler:
             raise SFMError(f"every survey is smaller than the crop {self.crop} ({shapes}); set data.crop smaller")
         self.surveys = [s for s, ok in zip(infos, fits) if ok]
         if self.dtype == np.int8:
-            other = [s for s in self.surveys if s.stored_dtype != "int8"]
-            mdio = [s for s in other if s.source_kind == "mdio"]
-            if mdio:
-                raise SFMError(f"data.batch_dtype = \"int8\" delivers stored int8 values, but survey {mdio[0].name} "
-                               f"({mdio[0].store_url}) is an MDIO store read in place ({mdio[0].stored_dtype}); set "
-                               "data.batch_dtype to float16, or export it to SEG-Y and ingest that with --dtype int8")
-            if other:
-                raise SFMError(f"data.batch_dtype = \"int8\" delivers stored int8 values, but survey store "
-                               f"{other[0].store_url} holds {other[0].stored_dtype}; ingest with --dtype int8 or "
-                               "set data.batch_dtype to float16")
+            self._check_int8_stores()
         self._stores = [s for s, ok in zip(self._stores, fits) if ok]
         self._arrays = [a for a, ok in zip(self._arrays, fits) if ok]
         self._readers = self._brick_readers()
@@ -226,6 +217,19 @@ class CropSampler:
         self._pid = os.getpid()
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+
+    def _check_int8_stores(self) -> None:
+        """int8 batches deliver stored int8 values: every survey must be an int8 store of sfm's own."""
+        other = [s for s in self.surveys if s.stored_dtype != "int8"]
+        mdio = [s for s in other if s.source_kind == "mdio"]
+        if mdio:
+            raise SFMError(f"data.batch_dtype = \"int8\" delivers stored int8 values, but survey {mdio[0].name} "
+                           f"({mdio[0].store_url}) is an MDIO store read in place ({mdio[0].stored_dtype}); set "
+                           "data.batch_dtype to float16, or export it to SEG-Y and ingest that with --dtype int8")
+        if other:
+            raise SFMError(f"data.batch_dtype = \"int8\" delivers stored int8 values, but survey store "
+                           f"{other[0].store_url} holds {other[0].stored_dtype}; ingest with --dtype int8 or "
+                           "set data.batch_dtype to float16")
 
     # ---- processes: the live handles are reopened in each process that reads ----------------
     def __getstate__(self) -> dict:
@@ -416,7 +420,7 @@ class CropSampler:
         try:
             fill = s.copy_stored_into if self.dtype == np.int8 else s.normalise_into
             if reader is not None and self.cache_bytes:
-                self._read_cached(survey, region, dst, fill)
+                self._brick_cache().read_into(survey, reader, s.shape, region, dst, fill)
             elif reader is not None:
                 reader.read_into(region, dst, fill)
             else:
@@ -429,27 +433,12 @@ class CropSampler:
                            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}; check the store "
                            f"is reachable (transient failures were retried for {self.retry_seconds:.0f} s)") from err
 
-    def _read_cached(self, survey: int, region: tuple[slice, slice, slice], dst: np.ndarray, fill) -> None:
-        """:meth:`_read_box` from the bricks ``region`` touches, each normalised whole once into the
-        process's :class:`BrickCache` (by ``fill``) and copied from there."""
-        s, reader = self.surveys[survey], self._readers[survey]
-        if self._cache is None:
-            with self._lock:
-                if self._cache is None:
-                    self._cache = BrickCache(self.cache_bytes)
-        ranges = [range(r.start // n, (r.stop - 1) // n + 1) for r, n in zip(region, reader.bricks)]
-        for brick in ((i, j, k) for i in ranges[0] for j in ranges[1] for k in ranges[2]):
-            box = tuple(slice(c * n, min((c + 1) * n, size)) for c, n, size in zip(brick, reader.bricks, s.shape))
-
-            def build(box=box) -> np.ndarray:
-                values = np.empty(tuple(b.stop - b.start for b in box), dtype=self.dtype)
-                reader.read_into(box, values, fill)
-                return values
-
-            values = self._cache.get((survey, brick), build)
-            part = tuple(slice(max(r.start, b.start), min(r.stop, b.stop)) for r, b in zip(region, box))
-            np.copyto(dst[tuple(slice(p.start - r.start, p.stop - r.start) for p, r in zip(part, region))],
-                      values[tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(part, box))])
+    def _brick_cache(self) -> BrickCache:
+        """This process's :class:`BrickCache` (``cache_mb``), made on first use."""
+        with self._lock:
+            if self._cache is None:
+                self._cache = BrickCache(self.cache_bytes)
+            return self._cache
 
     def _read_tile(self, c: Crop, tile, view: np.ndarray, full: bool) -> None:
         s = self.surveys[c.survey]
