@@ -133,7 +133,8 @@ class DataConfig:
         """Every setting valid, or SFMError naming it and the fix; sfm.data builds from a checked section
         and checks none of it again."""
         if len(self.crop) != 3 or min(int(c) for c in self.crop) < 1:
-            raise SFMError(f"data.crop = {list(self.crop)} is not a crop shape; give 3 positive sizes, e.g. [64, 64, 64]")
+            raise SFMError(f"data.crop = {list(self.crop)} is not a crop shape; give 3 positive sizes, "
+                           "e.g. [64, 64, 64]")
         _at_least("data", self, {"batch_size": 1, "read_threads": 1, "workers": 0, "prefetch": 1, "cache_mb": 0,
                                  "crops_per_region": 1, "regions_in_flight": 0, "pool_mb": 0},
                   {"cache_mb": " (0: no brick cache)", "crops_per_region": " (1: a fetch per crop)",
@@ -199,7 +200,8 @@ class TrainConfig:
     def check(self) -> None:
         """Every setting valid, or SFMError naming it and the fix."""
         _at_least("train", self, {"max_steps": 1, "warmup_steps": 0, "grad_accum": 1, "checkpoint_every": 1,
-                                  "keep_checkpoints": 0, "log_every": 1}, {"max_steps": "; pass a positive --max-steps"})
+                                  "keep_checkpoints": 0, "log_every": 1},
+                  {"max_steps": "; pass a positive --max-steps"})
         if not (self.lr > 0 and self.min_lr >= 0):
             raise SFMError(f"train.lr = {self.lr} must be > 0 and train.min_lr = {self.min_lr} >= 0")
         if any(not 0 < f < 1 for f in self.snapshots):
