@@ -6,7 +6,7 @@ without normalised bricks kept in memory, side by side in one run.
 Surveys of the configuration's ``[synth] shape`` are generated (sfm.ingest.synth) and ingested with its
 ``[ingest] chunk``. Then, on the configuration's crops, batch size and augmentation:
 
-- the loader alone (sfm.data.CropSampler, read threads, this process): CPU ms per sample over
+- the loader alone (sfm.data.crop_dataset, read threads, this process): CPU ms per sample over
   ``--samples`` samples, without the cache, with it while it fills (the first pass) and with it warm;
 - pretraining (``sfm train`` of the configuration, ``--steps`` steps, twice each way, alternating):
   seconds per step and process CPU seconds per step, and whether both ways trained on the same
@@ -52,31 +52,31 @@ def make_stores(workdir: Path, config: dict, surveys: int) -> list[str]:
 def loader_cpu(urls: list[str], cfg, samples: int) -> dict:
     """CPU ms per sample of reading ``samples`` crops, batch by batch: no cache, a filling one, a warm one."""
     from sfm import data
+    from sfm.config import DataConfig
 
-    def sampler(cache_mb: int):
+    def crops(cache_mb: int):
         d = cfg.data
-        return data.CropSampler(urls, tuple(d.crop), seed=d.seed, min_live_fraction=d.min_live_fraction,
-                                read_threads=d.read_threads, augment=[a for a in d.augment.split(",") if a],
-                                cache_mb=cache_mb)
+        return data.crop_dataset(urls, DataConfig(crop=d.crop, seed=d.seed, min_live_fraction=d.min_live_fraction,
+                                                  read_threads=d.read_threads, augment=d.augment, cache_mb=cache_mb))
 
     def cpu_ms(s, first: int) -> float:
         batch = cfg.data.batch_size
         start = time.process_time()
         for b in range(first, first + samples, batch):
-            s.read_many(list(range(b, b + batch)))
+            s.read(list(range(b, b + batch)))
         return (time.process_time() - start) * 1e3 / samples
 
-    plain = sampler(0)
+    plain = crops(0)
     try:
         cpu_ms(plain, 10**6)  # warm-up: imports, the thread pool, the page cache
         off = cpu_ms(plain, 0)
     finally:
         plain.close()
-    cached = sampler(cfg.data.cache_mb or 1024)
+    cached = crops(cfg.data.cache_mb or 1024)
     try:
         cold = cpu_ms(cached, 0)
         warm = cpu_ms(cached, samples)  # other crops, of bricks already cached
-        used = cached.cpu_stats()["cache_mb"]
+        used = cached.reader.cpu_stats()["cache_mb"]
     finally:
         cached.close()
     return {"off": off, "on_cold": cold, "on_warm": warm, "cache_mb_used": used}

@@ -54,18 +54,21 @@ MB = 1e6
 def stream_for(url: str, *, batch: int, align: str = "voxel", k: int = 1, dtype: str = "float32",
                pool_dir: str = "", crop=CROP, seed: int = 0, threads: int = 4, lanes: int = 0):
     from sfm import data
-    from sfm.data.regions import RegionSettings
+    from sfm.config import DataConfig
 
-    sampler = data.CropSampler([url], crop, seed=seed, align=align, augment=AUGMENT, read_threads=threads,
-                               regions=RegionSettings(k, (2, 2, 2), lanes, pool_dir, 0), dtype=dtype)
-    return data.BatchStream(data.CropDataset(sampler, batch), workers=0, pin_memory=False)
+    cfg = DataConfig(crop=crop, batch_size=batch, seed=seed, align=align, augment=",".join(AUGMENT),
+                     read_threads=threads, crops_per_region=k, region_bricks=(2, 2, 2), regions_in_flight=lanes,
+                     pool_dir=pool_dir, batch_dtype=dtype)
+    cfg.check()
+    return data.BatchStream(data.crop_dataset([url], cfg), workers=0, pin_memory=False)
 
 
-def distinct_fraction(sampler, batches: range, batch: int) -> float:
-    """Mean over ``batches`` of (distinct regions in the batch) / (batch size); 1.0 with a fetch per crop."""
-    if sampler.plan is None:
+def distinct_fraction(plan, batches: range, batch: int) -> float:
+    """Mean over ``batches`` of (distinct regions in the batch) / (batch size) of a crop plan; 1.0 with a
+    fetch per crop."""
+    if plan.regions is None:
         return 1.0
-    ds = [len({sampler.plan.anchor(b * batch + n) for n in range(batch)}) / batch for b in batches]
+    ds = [len({plan.regions.anchor(b * batch + n) for n in range(batch)}) / batch for b in batches]
     return statistics.mean(ds)
 
 
@@ -76,22 +79,23 @@ def measure(label: str, url: str, *, batch: int, align: str = "voxel", k: int = 
 
     pool_dir = tempfile.mkdtemp(prefix="sfm-bench-pool-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     stream = stream_for(url, batch=batch, align=align, k=k, dtype=dtype, pool_dir=pool_dir, lanes=lanes)
-    sampler = stream.sampler
-    lanes = sampler.plan.lanes if sampler.plan else batch
+    dataset = stream.dataset
+    regions = dataset.plan.regions
+    lanes = regions.lanes if regions else batch
     # steady state: the warm-up fills the pool (its default budget), so its files are being recycled
-    slots = sampler.pool_of_regions.budget_bytes // max(
-        region_bytes(g.extent, sampler.dtype) for g in sampler.plan.grids) if k > 1 else 0
+    slots = dataset.reader.regions.budget_bytes // max(
+        region_bytes(g.extent, dataset.reader.dtype) for g in regions.grids) if k > 1 else 0
     warm = max(1, (slots + lanes) * k // batch)
     count = max(4, k * lanes // batch)  # one lane cycle: every lane starts about one region
     try:
         for _ in range(warm):
             next(stream)
-        f0, c0 = sampler.fetch_stats(), sampler.cpu_stats()
+        f0, c0 = dataset.surveys.fetch_stats(), dataset.reader.cpu_stats()
         p0, t0 = time.process_time(), time.perf_counter()
         for _ in range(count):
             next(stream)
         p1, t1 = time.process_time(), time.perf_counter()
-        f1, c1 = sampler.fetch_stats(), sampler.cpu_stats()
+        f1, c1 = dataset.surveys.fetch_stats(), dataset.reader.cpu_stats()
     finally:
         stream.close()
         shutil.rmtree(pool_dir, ignore_errors=True)
@@ -101,7 +105,7 @@ def measure(label: str, url: str, *, batch: int, align: str = "voxel", k: int = 
            "gets_per_sample": (f1["requests"] - f0["requests"]) / n,
            "cpu_ms_per_sample": (p1 - p0) * 1e3 / n, "wall_ms_per_sample": (t1 - t0) * 1e3 / n,
            "regions_built": c1["regions_built"] - c0["regions_built"],
-           "distinct_region_fraction": distinct_fraction(sampler, range(warm, warm + count), batch)}
+           "distinct_region_fraction": distinct_fraction(dataset.plan, range(warm, warm + count), batch)}
     for phase in ("receive", "decode", "normalise", "copy"):
         row[f"{phase}_ms_per_sample"] = (c1[phase] - c0[phase]) * 1e3 / n
     print(f"  {label:28s} {row['s3_mb_per_sample']:7.2f} MB {row['gets_per_sample']:6.3f} GETs "
@@ -178,6 +182,7 @@ def statistical_check(workdir: Path, args) -> dict:
     import torch
 
     from sfm import data
+    from sfm.config import DataConfig
     from sfm.ingest import survey as ingest
     from sfm.ingest.synth import synth_survey
     from sfm.model.presets import mae_config
@@ -189,12 +194,12 @@ def statistical_check(workdir: Path, args) -> dict:
     stores = {d: ingest.ingest_survey(train_sgy, str(workdir / f"local-{d}"), chunk=32, dtype=d)["store_url"]
               for d in ("float32", "int8")}
     val_url = ingest.ingest_survey(val_sgy, str(workdir / "local-val"), chunk=32)["store_url"]
-    sampler = data.CropSampler([val_url], crop, seed=99)
+    held_out = data.crop_dataset([val_url], DataConfig(crop=crop, seed=99, augment=""))
     gen = torch.Generator().manual_seed(99)
     patches = mae_config("tiny", crop=crop).num_patches
-    val = [(torch.from_numpy(sampler.read_many(list(range(i, i + 8)))), torch.rand(8, patches, generator=gen))
+    val = [(torch.from_numpy(held_out.read(list(range(i, i + 8)))), torch.rand(8, patches, generator=gen))
            for i in range(0, 64, 8)]
-    sampler.close()
+    held_out.close()
     b = args.train_batch
     cases = {"float32_k1": ("float32", 1, 0), "int8_k1": ("int8", 1, 0), "int8_k8": ("int8", 8, 0),
              "int8_k32": ("int8", 32, 0), f"int8_k32_lanes{4 * b}": ("int8", 32, 4 * b)}

@@ -49,7 +49,7 @@ def ingest(workdir: Path, surveys: int, shape: list[int], job) -> list[str]:
 
 def measure(stores: list[str], job, batches: int, preadv: bool) -> tuple[float, float]:
     """(loader CPU ms, wall ms) per sample over ``batches`` batches after a warm-up."""
-    import sfm.data.crops as crops
+    import sfm.data.survey as survey
     from sfm.data.loader import training_stream
     from sfm.data.store import open_survey_store
 
@@ -59,7 +59,7 @@ def measure(stores: list[str], job, batches: int, preadv: bool) -> tuple[float, 
             store.range_reader = None  # every read through zarr's LocalStore
         return store
 
-    crops.open_survey_store = opener
+    survey.open_survey_store = opener
     try:
         stream = training_stream(stores, job.data)
         batch = iter(stream)
@@ -71,7 +71,7 @@ def measure(stores: list[str], job, batches: int, preadv: bool) -> tuple[float, 
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         stream.close()
     finally:
-        crops.open_survey_store = open_survey_store
+        survey.open_survey_store = open_survey_store
     samples = batches * job.data.batch_size
     return 1000 * cpu / samples, 1000 * wall / samples
 

@@ -254,7 +254,7 @@ def loader_trial(stream, batches: int, server: Server) -> dict:
     """
     for _ in range(stream.dataset.prefetch + 1):
         next(stream)
-    before = stream.sampler.fetch_stats()
+    before = stream.dataset.surveys.fetch_stats()
     nbytes = 0
 
     def run():
@@ -265,7 +265,7 @@ def loader_trial(stream, batches: int, server: Server) -> dict:
     http0 = http_client_cpu_seconds()
     _, seconds, client_cpu, server_cpu = timed(run, server)
     http = http_client_cpu_seconds() - http0
-    after = stream.sampler.fetch_stats()
+    after = stream.dataset.surveys.fetch_stats()
     fetched = after["bytes_fetched"] - before["bytes_fetched"]
     requests = after["requests"] - before["requests"]
     crops = batches * stream.dataset.batch_size
@@ -295,7 +295,7 @@ def settle(stream) -> None:
     """Wait until the stream's read-ahead is done: a raw trial must not share the machine with it."""
     last = -1
     while True:
-        now = stream.sampler.fetch_stats()["bytes_fetched"]
+        now = stream.dataset.surveys.fetch_stats()["bytes_fetched"]
         if now == last:
             return
         last = now
@@ -305,10 +305,13 @@ def settle(stream) -> None:
 def make_stream(url: str, batch: int, *, align: str = "brick", workers: int = 0, threads: int = 8,
                 client: str = "auto"):
     from sfm import data
+    from sfm.config import DataConfig
+    from sfm.distributed.launch import environment_for_workers
 
-    sampler = data.CropSampler([url], (128, 128, 128), seed=0, min_live_fraction=0.5, read_threads=threads,
-                               align=align, client=client)
-    return data.BatchStream(data.CropDataset(sampler, batch, prefetch=2), workers=workers)
+    cfg = DataConfig(crop=(128, 128, 128), batch_size=batch, seed=0, min_live_fraction=0.5, read_threads=threads,
+                     align=align, augment="", client=client, prefetch=2)
+    cfg.check()
+    return data.BatchStream(data.crop_dataset([url], cfg), workers=workers, worker_init=environment_for_workers())
 
 
 def cpu_breakdown(url: str) -> dict:
@@ -438,7 +441,7 @@ def bench_server(server: Server, segy: str, args) -> dict:
                       "fixed_stride_bytes_per_s": per_stride, "fixed_stride_rounds": raws_strided,
                       "fixed_stride_bytes": 4 * brick**3}
         for name, stream in streams.items():
-            store = stream.sampler._stores[0]
+            store = stream.dataset.surveys.store(0)
             client = {"ObjectStore": "obstore", "FsspecStore": "s3fs"}.get(type(store._store).__name__, "?")
             stream.close()
             loader = {k: statistics.median(t[k] for t in loads[name]) for k in loads[name][0]}

@@ -7,8 +7,11 @@ The defaults are the embedded demo: tiny model, CPU, a short run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,10 +24,8 @@ AUGMENTATIONS = ("flip_inline", "flip_crossline", "swap", "reverse_time", "inver
 ALIGNMENTS = ("voxel", "brick")  # data.align: crop origins anywhere, or on the store's brick grid
 CLIENTS = ("auto", "http", "obstore", "fsspec")  # data.client: how the loader reads S3
 BATCH_DTYPES = ("float32", "float16", "int8")  # data.batch_dtype: the crops' value type (int8: stored values)
-STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")
+STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")  # dist.strategy: what sfm.distributed.strategies applies
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer (see sfm.train.muon)
-# keys earlier releases wrote into the configs they saved (checkpoints, registry versions), now without effect
-RETIRED_KEYS = {"eval.probe_train_volumes": "eval.downstream", "eval.probe_test_volumes": "eval.test_volumes"}  # dist.strategy: what sfm.distributed.strategies applies
 
 
 @dataclass
@@ -128,6 +129,31 @@ class DataConfig:
     pool_mb: int = 0  # bound on the node pool's size; 0: two regions per lane for each of the node's ranks
     cache_mb: int = 0  # normalised bricks each process keeps in memory (sfm.data.brick_cache); 0: none
 
+    def check(self) -> None:
+        """Every setting valid, or SFMError naming it and the fix; sfm.data builds from a checked section
+        and checks none of it again."""
+        if len(self.crop) != 3 or min(int(c) for c in self.crop) < 1:
+            raise SFMError(f"data.crop = {list(self.crop)} is not a crop shape; give 3 positive sizes, "
+                           "e.g. [64, 64, 64]")
+        _at_least("data", self, {"batch_size": 1, "read_threads": 1, "workers": 0, "prefetch": 1, "cache_mb": 0,
+                                 "crops_per_region": 1, "regions_in_flight": 0, "pool_mb": 0},
+                  {"cache_mb": " (0: no brick cache)", "crops_per_region": " (1: a fetch per crop)",
+                   "regions_in_flight": " (0: automatic)", "pool_mb": " (0: automatic)"})
+        if not 0 <= self.min_live_fraction <= 1:
+            raise SFMError(f"data.min_live_fraction = {self.min_live_fraction} must lie in [0, 1]")
+        if len(self.region_bricks) != 3 or min(int(b) for b in self.region_bricks) < 1:
+            raise SFMError(f"data.region_bricks = {list(self.region_bricks)} must be 3 positive brick counts, "
+                           "e.g. [2, 2, 2]")
+        for key, valid in (("align", ALIGNMENTS), ("client", CLIENTS), ("batch_dtype", BATCH_DTYPES)):
+            _one_of(f"data.{key}", getattr(self, key), valid)
+        unknown = [a for a in self.augmentations() if a not in AUGMENTATIONS]
+        if unknown:
+            raise SFMError(f"data.augment names {', '.join(unknown)}; use any of {', '.join(AUGMENTATIONS)}")
+
+    def augmentations(self) -> tuple[str, ...]:
+        """The names in ``augment``, in order."""
+        return tuple(a for a in (x.strip() for x in self.augment.split(",")) if a)
+
 
 @dataclass
 class ModelConfig:
@@ -138,6 +164,15 @@ class ModelConfig:
     patch: tuple[int, int, int] | None = None  # None: the preset's
     decoder_depth: int = 0  # 0: the preset's
     decoder_embed_dim: int = 0  # 0: the preset's
+
+    def check(self) -> None:
+        """The masking in range, or SFMError. Whether the preset and sizes make a model is for the model layer to
+        say (:func:`sfm.model.model_config_for`), called where a job starts."""
+        if not 0 < self.mask_ratio < 1:
+            raise SFMError(f"model.mask_ratio = {self.mask_ratio} must be in (0, 1): the fraction of patches masked")
+        if not 0 <= self.decoder_mask_ratio < 1:
+            raise SFMError(f"model.decoder_mask_ratio = {self.decoder_mask_ratio}: the fraction of masked patches "
+                           "the decoder skips must be in [0, 1) (0: decode every patch)")
 
 
 @dataclass
@@ -162,6 +197,17 @@ class TrainConfig:
     init_from: str = ""  # URL of a registered/exported model to continue pretraining from
     snapshots: tuple[float, ...] = ()  # fractions of max_steps at which the model is also exported (snapshots/step-N)
 
+    def check(self) -> None:
+        """Every setting valid, or SFMError naming it and the fix."""
+        _at_least("train", self, {"max_steps": 1, "warmup_steps": 0, "grad_accum": 1, "checkpoint_every": 1,
+                                  "keep_checkpoints": 0, "log_every": 1},
+                  {"max_steps": "; pass a positive --max-steps"})
+        if not (self.lr > 0 and self.min_lr >= 0):
+            raise SFMError(f"train.lr = {self.lr} must be > 0 and train.min_lr = {self.min_lr} >= 0")
+        if any(not 0 < f < 1 for f in self.snapshots):
+            raise SFMError(f"train.snapshots = {list(self.snapshots)}: each must be a fraction of the steps in (0, 1)")
+        _one_of("train.optimizer", self.optimizer, OPTIMIZERS)
+
 
 @dataclass
 class DistConfig:
@@ -171,6 +217,16 @@ class DistConfig:
     timeout_s: int = 300  # collectives (and rendezvous) fail after this: a dead rank never hangs the job
     strategy: str = "ddp"  # ddp | fsdp2-zero2 | fsdp2-full (see sfm.distributed.strategies)
     cp: int = 1  # context-parallel ranks per volume (dp = world size / cp); see sfm.distributed.context_parallel
+
+    def check(self) -> None:
+        """The strategy and cp valid, or SFMError; how they fit the job is :meth:`JobConfig.check_parallelism`'s."""
+        if self.strategy == "deepspeed-zero2":
+            raise SFMError("dist.strategy = deepspeed-zero2 is not available in this release; use fsdp2-zero2 "
+                           "(the same ZeRO-2 sharding through PyTorch FSDP2)")
+        if self.strategy not in STRATEGIES:
+            raise SFMError(f"dist.strategy = {self.strategy!r} is not a strategy; use one of {', '.join(STRATEGIES)}")
+        if self.cp < 1:
+            raise SFMError(f"dist.cp = {self.cp} must be at least 1")
 
 
 @dataclass
@@ -230,6 +286,19 @@ class EvalConfig:
     test_augment: bool = True  # fine-tuned networks score the test volumes with sliding windows every half
     # crop and the 8 inline/crossline mirrorings averaged (nnU-Net's inference); early stopping scores plainly
 
+    def check(self) -> None:
+        """Every setting valid, or SFMError naming it and the fix."""
+        _at_least("eval", self, {"crops": 1, "seeds": 1, "test_volumes": 1, "finetune_steps": 1, "finetune_batch": 1,
+                                 "validate_every": 1, "pool_volumes": 0, "validation_volumes": 0,
+                                 "finetune_lr_random": 0})
+        if any(b < 1 for b in self.budgets):
+            raise SFMError(f"eval.budgets = {list(self.budgets)} must be positive numbers of labelled volumes")
+        if not self.finetune_lr > 0:
+            raise SFMError(f"eval.finetune_lr = {self.finetune_lr} must be > 0")
+        if not 0 <= self.validation < 1:
+            raise SFMError(f"eval.validation = {self.validation}: the held-out fraction of each labelled volume "
+                           "must be in [0, 1) (0: no early stopping)")
+
 
 @dataclass
 class SynthConfig:
@@ -270,15 +339,13 @@ class JobConfig:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None = None) -> "JobConfig":
-        """The config a dict describes; keys earlier releases wrote and this one retired
-        (:data:`RETIRED_KEYS`: configs kept in checkpoints and registry versions) are skipped."""
+        """The config a dict ({section: {key: value}}) describes."""
         cfg = cls()
         for section, values in (data or {}).items():
             if not hasattr(cfg, section):
                 raise SFMError(f"unknown config section [{section}]; valid: {', '.join(_section_names())}")
             for key, value in dict(values).items():
-                if f"{section}.{key}" not in RETIRED_KEYS:
-                    cfg.set(f"{section}.{key}", value)
+                cfg.set(f"{section}.{key}", value)
         return cfg
 
     @classmethod
@@ -299,70 +366,21 @@ class JobConfig:
         return cfg
 
     def validate(self) -> None:
-        """Every setting in range and the model buildable, or SFMError naming the key and the fix:
-        the flow's ``start`` and ``sfm train`` call this before any survey is read."""
-        self.ingest.check()
-        d, t, e = self.data, self.train, self.eval
-        at_least = {"data.batch_size": (d.batch_size, 1), "data.read_threads": (d.read_threads, 1),
-                    "data.workers": (d.workers, 0), "data.prefetch": (d.prefetch, 1),
-                    "data.cache_mb": (d.cache_mb, 0),
-                    "train.max_steps": (t.max_steps, 1), "train.warmup_steps": (t.warmup_steps, 0),
-                    "train.grad_accum": (t.grad_accum, 1), "train.checkpoint_every": (t.checkpoint_every, 1),
-                    "train.keep_checkpoints": (t.keep_checkpoints, 0), "train.log_every": (t.log_every, 1),
-                    "eval.crops": (e.crops, 1), "eval.seeds": (e.seeds, 1), "eval.test_volumes": (e.test_volumes, 1),
-                    "eval.finetune_steps": (e.finetune_steps, 1), "eval.finetune_batch": (e.finetune_batch, 1),
-                    "eval.validate_every": (e.validate_every, 1), "eval.pool_volumes": (e.pool_volumes, 0),
-                    "eval.validation_volumes": (e.validation_volumes, 0),
-                    "eval.finetune_lr_random": (e.finetune_lr_random, 0)}
-        for key, (value, low) in at_least.items():
-            if value < low:
-                hint = "; pass a positive --max-steps" if key == "train.max_steps" else ""
-                raise SFMError(f"{key} = {value} must be at least {low}{hint}")
-        if any(n < 1 for n in d.crop) or any(b < 1 for b in e.budgets):
-            raise SFMError(f"data.crop = {list(d.crop)} and eval.budgets = {list(e.budgets)} must be positive")
-        if not (t.lr > 0 and t.min_lr >= 0 and 0 <= d.min_live_fraction <= 1 and 0 < self.model.mask_ratio < 1
-                and e.finetune_lr > 0):
-            raise SFMError("train.lr must be > 0, train.min_lr >= 0, data.min_live_fraction in [0, 1], "
-                           "model.mask_ratio in (0, 1) and eval.finetune_lr > 0")
-        if not 0 <= self.model.decoder_mask_ratio < 1:
-            raise SFMError(f"model.decoder_mask_ratio = {self.model.decoder_mask_ratio}: the fraction of masked patches "
-                           "the decoder skips must be in [0, 1) (0: decode every patch)")
-        if not 0 <= e.validation < 1:
-            raise SFMError(f"eval.validation = {e.validation}: the held-out fraction of each labelled volume "
-                           "must be in [0, 1) (0: no early stopping)")
-        if any(not 0 < f < 1 for f in t.snapshots):
-            raise SFMError(f"train.snapshots = {list(t.snapshots)}: each must be a fraction of the steps in (0, 1)")
-        from sfm.data.regions import RegionSettings  # the loader's own check of its region settings
-
-        RegionSettings.from_data(d).check()
-        for key, value, valid in (("data.align", d.align, ALIGNMENTS), ("data.client", d.client, CLIENTS),
-                                  ("data.batch_dtype", d.batch_dtype, BATCH_DTYPES),
-                                  ("dist.strategy", self.dist.strategy, STRATEGIES),
-                                  ("train.optimizer", t.optimizer, OPTIMIZERS)):
-            if value not in valid:
-                raise SFMError(f"{key} = {value!r} is not valid; use one of {', '.join(valid)}")
-        if d.batch_dtype == "int8" and self.ingest.dtype != "int8":
+        """Every section valid (its ``check``) and the sections agree, or SFMError naming the key and the fix:
+        the flow's ``start`` and ``sfm train`` call this before any survey is read. Whether the [model] settings
+        make a model is the model layer's to check (:func:`sfm.model.model_config_for`), where a job starts."""
+        for section in (self.ingest, self.data, self.model, self.train, self.eval):
+            section.check()
+        if self.data.batch_dtype == "int8" and self.ingest.dtype != "int8":
             raise SFMError(f"data.batch_dtype = \"int8\" delivers the stored int8 values, but ingest.dtype = "
                            f"{self.ingest.dtype!r}; set ingest.dtype = \"int8\" or data.batch_dtype = \"float16\"")
-        unknown = [a for a in filter(None, (x.strip() for x in d.augment.split(","))) if a not in AUGMENTATIONS]
-        if unknown:
-            raise SFMError(f"data.augment names {', '.join(unknown)}; use any of {', '.join(AUGMENTATIONS)}")
-        from sfm.model import model_config_for  # the preset exists and its settings make a model
-
-        model_config_for(self)
         self.check_parallelism()
 
     def check_parallelism(self, world: int | None = None) -> None:
         """Refuse a [dist] section no run could train with, before anything starts. ``world``: the
         number of training processes (default: nodes x procs_per_node)."""
         d = self.dist
-        if d.strategy == "deepspeed-zero2":
-            raise SFMError("dist.strategy = deepspeed-zero2 is not available in this release; use fsdp2-zero2 "
-                           "(the same ZeRO-2 sharding through PyTorch FSDP2)")
-        if d.strategy not in STRATEGIES:
-            raise SFMError(f"dist.strategy = {d.strategy!r} is not a strategy; use one of {', '.join(STRATEGIES)}")
-        if d.cp < 1:
-            raise SFMError(f"dist.cp = {d.cp} must be at least 1")
+        d.check()
         if d.cp > 1 and self.model.decoder_mask_ratio > 0:
             raise SFMError(f"model.decoder_mask_ratio = {self.model.decoder_mask_ratio} is not implemented with "
                            f"dist.cp = {d.cp}: the context-parallel decoder decodes every patch; set it to 0")
@@ -382,12 +400,10 @@ class JobConfig:
         section = getattr(self, section_name, None)
         if section is None or not dataclasses.is_dataclass(section):
             raise SFMError(f"unknown config key '{dotted}'; sections are {', '.join(_section_names())}")
-        fields = {f.name: f for f in dataclasses.fields(section)}
-        if dotted in RETIRED_KEYS:
-            raise SFMError(f"config key '{dotted}' was retired; see {RETIRED_KEYS[dotted]} instead")
-        if key not in fields:
-            raise SFMError(f"unknown config key '{dotted}'; valid keys in [{section_name}]: {', '.join(fields)}")
-        setattr(section, key, _coerce(dotted, getattr(section, key), fields[key], value))
+        hints = _field_types(type(section))
+        if key not in hints:
+            raise SFMError(f"unknown config key '{dotted}'; valid keys in [{section_name}]: {', '.join(hints)}")
+        setattr(section, key, _coerce(dotted, hints[key], value))
 
     # ---- output -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -424,30 +440,48 @@ def _parse_literal(text: str) -> Any:
         return text
 
 
-def _coerce(dotted: str, current: Any, fld: dataclasses.Field, value: Any) -> Any:
-    """Convert ``value`` to the field's type, with a one-line error naming the key on failure."""
-    type_text = str(fld.type)
+@functools.cache
+def _field_types(section: type) -> dict[str, Any]:
+    """The type of each field of the config section ``section``, as its annotation resolves."""
+    hints = typing.get_type_hints(section)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+
+
+def _coerce(dotted: str, hint: Any, value: Any) -> Any:
+    """Convert ``value`` to the field's type ``hint``, with a one-line error naming the key on failure. A tuple
+    field takes a list, or one number for every element."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None
+        if value is None:
+            return None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
     try:
-        if type_text.startswith("tuple"):
+        if typing.get_origin(hint) is tuple:
+            elems = typing.get_args(hint)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                n = 1 if "..." in type_text else 3 if "int, int, int" in type_text else len(current or ())
-                value = [value] * n
-            if value is None:
-                return None
-            elem = float if "float" in type_text else int
-            return tuple(elem(v) for v in value)
-        if isinstance(current, bool):
-            if isinstance(value, str):
-                return value.lower() in ("1", "true", "yes")
-            return bool(value)
-        if isinstance(current, int):
+                value = [value] * (1 if Ellipsis in elems else len(elems))
+            return tuple(elems[0](v) for v in value)
+        if hint is bool:
+            return value.lower() in ("1", "true", "yes") if isinstance(value, str) else bool(value)
+        if hint is int:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError("not an integer")
             return int(value)
-        if isinstance(current, float):
-            return float(value)
-        if isinstance(current, str):
-            return str(value)
+        if hint in (float, str):
+            return hint(value)
     except (TypeError, ValueError) as err:
-        raise SFMError(f"config key '{dotted}' got {value!r}: {err}; expected {type_text}") from err
+        name = hint.__name__ if isinstance(hint, type) else str(hint)
+        raise SFMError(f"config key '{dotted}' got {value!r}: {err}; expected {name}") from err
     return value
+
+
+def _at_least(section: str, values: Any, lows: dict[str, float], hints: dict[str, str] | None = None) -> None:
+    """SFMError for the first setting ``key`` of ``lows`` under its lower bound (``hints[key]`` follows the message)."""
+    for key, low in lows.items():
+        value = getattr(values, key)
+        if value < low:
+            raise SFMError(f"{section}.{key} = {value} must be at least {low}{(hints or {}).get(key, '')}")
+
+
+def _one_of(key: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise SFMError(f"{key} = {value!r} is not valid; use one of {', '.join(valid)}")

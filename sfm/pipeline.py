@@ -37,6 +37,9 @@ def job_config(config: dict | None, *, preset: str = "", max_steps: int = 0, nod
     if cfg.dist.nodes < 1 or cfg.dist.procs_per_node < 1:
         raise SFMError("--nodes and --procs-per-node must be at least 1")
     cfg.validate()
+    from sfm.model import model_config_for
+
+    model_config_for(cfg)  # the model layer's check: the preset makes a model at the job's crop and masking
     return cfg
 
 

@@ -1,12 +1,14 @@
 """Survey stores to training batches, in the order data flows: open a survey's store with retries
-(:mod:`.store`), read bricks (:mod:`.bricks`), know a survey (:mod:`.survey`), plan and read crops
-(:mod:`.crops`), batch them for one rank and resume exactly (:mod:`.loader`)."""
+(:mod:`.store`), read bricks (:mod:`.bricks`), the surveys a process reads (:mod:`.survey`), plan crops
+(:mod:`.crops`), read them (:mod:`.crop_reader`), batch them for one rank and resume exactly (:mod:`.loader`)."""
 
-from sfm.data.crops import ALIGNMENTS, AUGMENTATIONS, Crop, CropSampler, brick_tiles
-from sfm.data.loader import BatchStream, CropDataset, training_stream
+from sfm.config import ALIGNMENTS, AUGMENTATIONS
+from sfm.data.crop_reader import CropReader, brick_tiles, region_pool_for
+from sfm.data.crops import Crop, CropPlan
+from sfm.data.loader import BatchStream, CropDataset, crop_dataset, training_stream
 from sfm.data.store import CLIENTS, ResilientStore, is_transient, open_survey_store
-from sfm.data.survey import CropOrigins, SurveyInfo, read_survey_info
+from sfm.data.survey import CropOrigins, SurveyInfo, Surveys, read_survey_info
 
-__all__ = ["ALIGNMENTS", "AUGMENTATIONS", "CLIENTS", "BatchStream", "Crop", "CropDataset", "CropOrigins",
-           "CropSampler", "ResilientStore", "SurveyInfo", "brick_tiles", "is_transient", "open_survey_store",
-           "read_survey_info", "training_stream"]
+__all__ = ["ALIGNMENTS", "AUGMENTATIONS", "CLIENTS", "BatchStream", "Crop", "CropDataset", "CropOrigins", "CropPlan",
+           "CropReader", "ResilientStore", "SurveyInfo", "Surveys", "brick_tiles", "crop_dataset", "is_transient",
+           "open_survey_store", "read_survey_info", "region_pool_for", "training_stream"]

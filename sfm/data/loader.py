@@ -1,5 +1,10 @@
 """Batches for training: :class:`CropDataset` (one rank's stream) and :class:`BatchStream` (the loader).
 
+The data path is three parts, each built from the checked ``JobConfig.data``, composed here the way
+MONAI composes a dataset of volumes, a patch function and a transform:
+:class:`sfm.data.survey.Surveys` (the surveys a process reads), :class:`sfm.data.crops.CropPlan` (sample
+index to crop) and :class:`sfm.data.crop_reader.CropReader` (crop to values).
+
 - :class:`CropDataset` (a torch ``IterableDataset``) is one rank's stream of batches
   ``[B, 1, D, H, W]``. Batch ``b`` of rank ``r`` holds samples ``(b * world_size + r) * B + [0, B)``;
   DataLoader worker ``w`` of ``n`` makes batches ``start + w, start + w + n, ...``, which the
@@ -7,7 +12,8 @@
   does not depend on the number of workers, and a position is just ``(epoch, batch)``.
 - :class:`BatchStream` is the loader a training loop consumes: a DataLoader over the dataset (worker
   processes, pinned memory when CUDA is present) with ``state_dict()`` / ``load_state_dict()`` for
-  exact resume. :func:`training_stream` builds one from ``JobConfig.data``.
+  exact resume. :func:`training_stream` builds one from ``JobConfig.data``; :func:`crop_dataset` the
+  dataset alone (also read by sample index: :meth:`CropDataset.read`).
 """
 
 
@@ -16,10 +22,9 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
 import sys
 from concurrent.futures import Future
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -27,9 +32,10 @@ from torch.utils.data import IterableDataset
 
 from sfm.errors import SFMError
 
-from sfm.data.crops import CropSampler, wait_all
+from sfm.data.crop_reader import CropReader, region_pool_for, wait_all
+from sfm.data.crops import Crop, CropPlan
 from sfm.data.int8_batch import Int8Batch
-from sfm.data.regions import RegionSettings
+from sfm.data.survey import Surveys
 
 log = logging.getLogger(__name__)
 
@@ -39,50 +45,52 @@ log = logging.getLogger(__name__)
 
 
 class CropDataset(IterableDataset):
-    """One rank's stream of batches, tensors [B, 1, D, H, W] of the sampler's dtype (use ``DataLoader(batch_size=None)``);
-    [B, 1, stop - start, H, W] when the sampler reads a slab. ``rank`` and ``world_size`` are the
-    data-parallel ones: the context-parallel ranks of a group share them and differ in the slab.
+    """One rank's stream of batches, tensors [B, 1, D, H, W] of the reader's dtype (use ``DataLoader(batch_size=None)``);
+    [B, 1, stop - start, H, W] when the reader reads a slab. ``rank`` is the data-parallel one (the plan's
+    ``world_size`` ranks): the context-parallel ranks of a group share it and differ in the slab.
 
-    Batch ``b`` holds samples ``(b * world_size + rank) * batch_size + [0, batch_size)`` of the
-    sampler's ``(seed, epoch)`` stream. Iteration starts at ``start_batch`` and, if ``num_batches``
-    is set, ends before batch ``num_batches`` (one epoch); otherwise it never ends. Under a DataLoader
-    with ``n`` workers, worker ``w`` makes batches ``start_batch + w + k * n``; the DataLoader
-    returns them in order, so the sequence is the same for any ``n``.
+    Batch ``b`` holds samples ``(b * world_size + rank) * batch_size + [0, batch_size)`` of the plan's
+    ``(seed, epoch)`` stream. Iteration starts at ``start_batch`` and, if ``num_batches`` is set, ends
+    before batch ``num_batches`` (one epoch); otherwise it never ends. Under a DataLoader with ``n``
+    workers, worker ``w`` makes batches ``start_batch + w + k * n``; the DataLoader returns them in order,
+    so the sequence is the same for any ``n``.
 
     Each worker keeps ``prefetch`` batches reading ahead of the one it hands over.
     """
 
-    def __init__(self, sampler: CropSampler, batch_size: int, rank: int = 0, world_size: int = 1, *,
-                 start_batch: int = 0, num_batches: int | None = None, prefetch: int = 2):
+    def __init__(self, plan: CropPlan, reader: CropReader, rank: int = 0, *, start_batch: int = 0,
+                 num_batches: int | None = None, prefetch: int = 2):
         super().__init__()
-        if batch_size < 1:
-            raise SFMError(f"data.batch_size = {batch_size} must be at least 1")
-        if not 0 <= rank < world_size:
-            raise SFMError(f"rank {rank} is outside a world of {world_size} processes")
-        self.sampler = sampler
-        self.batch_size, self.rank, self.world_size = int(batch_size), int(rank), int(world_size)
+        if not 0 <= rank < plan.world_size:
+            raise SFMError(f"rank {rank} is outside a world of {plan.world_size} processes")
+        self.plan, self.reader = plan, reader
+        self.batch_size, self.rank, self.world_size = plan.batch_size, int(rank), plan.world_size
         self.start_batch = int(start_batch)
         self.num_batches = None if num_batches is None else int(num_batches)
         self.prefetch = max(0, int(prefetch))
-        sampler.plan_batches(self.batch_size, self.world_size)
+        self.epoch = 0
 
     @property
-    def epoch(self) -> int:
-        return self.sampler.epoch
+    def surveys(self) -> Surveys:
+        return self.reader.surveys
 
     def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+        self.epoch = int(epoch)
 
     def sample_indices(self, batch: int) -> range:
         first = (batch * self.world_size + self.rank) * self.batch_size
         return range(first, first + self.batch_size)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch": self.start_batch}
+    def locate(self, index: int) -> Crop:
+        """The :class:`sfm.data.crops.Crop` of sample ``index`` of this epoch."""
+        return self.plan.locate(self.epoch, index)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.set_epoch(int(state.get("epoch", 0)))
-        self.start_batch = int(state["batch"])
+    def read(self, indices: list[int], out: np.ndarray | None = None) -> np.ndarray:
+        """Samples ``indices`` of this epoch, [len(indices), 1, *shape] of the reader's dtype, read concurrently."""
+        return self.reader.read([self.locate(i) for i in indices], out)
+
+    def close(self) -> None:
+        self.reader.close()
 
     def worker_batches(self, worker: int = 0, workers: int = 1) -> Iterable[int]:
         """The batch numbers DataLoader worker ``worker`` of ``workers`` makes, in order."""
@@ -92,16 +100,16 @@ class CropDataset(IterableDataset):
         return range(first, self.num_batches, workers)
 
     def _start(self, batch: int, buffers: "_BatchBuffers | None") -> tuple[torch.Tensor | Int8Batch, list[Future]]:
-        shape = (self.batch_size, 1, *self.sampler.shape)
+        shape = (self.batch_size, 1, *self.reader.shape)
         if buffers is None:  # a worker's batch goes to the main process by handle, not by copy
-            out = _shared_empty(shape, self.sampler.dtype)
+            out = _shared_empty(shape, self.reader.dtype)
         else:
             out = torch.from_numpy(buffers.take())
         arr = out.numpy()
-        crops = [self.sampler.locate(i) for i in self.sample_indices(batch)]
-        futures = [f for n, c in enumerate(crops) for f in self.sampler.submit_crop(c, arr[n])]
-        if self.sampler.dtype == np.int8:
-            affine = [self.sampler.surveys[c.survey].affine(negate=c.invert) for c in crops]
+        crops = [self.locate(i) for i in self.sample_indices(batch)]
+        futures = [f for n, c in enumerate(crops) for f in self.reader.submit(c, arr[n])]
+        if self.reader.dtype == np.int8:
+            affine = [self.surveys[c.survey].affine(negate=c.invert) for c in crops]
             out = Int8Batch(out, torch.tensor(affine, dtype=torch.float32))
         return out, futures
 
@@ -109,8 +117,8 @@ class CropDataset(IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         pending: collections.deque = collections.deque()
-        buffers = None if info is not None else _BatchBuffers((self.batch_size, 1, *self.sampler.shape),
-                                                              keep=self.prefetch + 4, dtype=self.sampler.dtype)
+        buffers = None if info is not None else _BatchBuffers((self.batch_size, 1, *self.reader.shape),
+                                                              keep=self.prefetch + 4, dtype=self.reader.dtype)
         try:
             for batch in self.worker_batches(worker, workers):
                 pending.append(self._start(batch, buffers))
@@ -174,35 +182,33 @@ class BatchStream:
     whose ``.to(device).float()`` is the normalised float32 tensor.
 
     A DataLoader over a :class:`CropDataset` with ``workers`` processes (0: read in this process on
-    the sampler's threads). Workers are started with ``forkserver``: S3 clients (obstore's runtime,
-    aiohttp sessions) do not survive a fork of a process that has used them.
+    the reader's threads). Workers are started with ``forkserver``: S3 clients (obstore's runtime,
+    aiohttp sessions) do not survive a fork of a process that has used them. A forkserver child has the
+    environment the server started with; ``worker_init`` (a DataLoader ``worker_init_fn``, e.g.
+    :func:`sfm.distributed.launch.environment_for_workers`) can give it the caller's.
 
     ``state_dict()`` is ``{"epoch", "batch", ...}``, the next batch this stream will return;
     ``load_state_dict`` continues from there, with exactly the batches an uninterrupted stream
     would have returned, whatever the number of workers.
     """
 
-    def __init__(self, dataset: CropDataset, workers: int = 0, pin_memory: bool | None = None):
+    def __init__(self, dataset: CropDataset, workers: int = 0, pin_memory: bool | None = None,
+                 worker_init: Callable[[int], None] | None = None):
         self.dataset = dataset
         self.workers = max(0, int(workers))
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self.worker_init = worker_init
         self.batch = dataset.start_batch
         self._iter = None
-
-    @property
-    def sampler(self) -> CropSampler:
-        return self.dataset.sampler
 
     def _loader(self):
         kwargs: dict[str, Any] = {}
         if self.workers:
-            import functools
             import multiprocessing
 
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(["sfm.data.loader"])
-            kwargs = {"multiprocessing_context": ctx, "prefetch_factor": 2,
-                      "worker_init_fn": functools.partial(_adopt_environment, dict(os.environ))}
+            kwargs = {"multiprocessing_context": ctx, "prefetch_factor": 2, "worker_init_fn": self.worker_init}
         return torch.utils.data.DataLoader(self.dataset, batch_size=None, num_workers=self.workers,
                                            pin_memory=self.pin_memory, **kwargs)
 
@@ -224,17 +230,18 @@ class BatchStream:
         return out
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.dataset.epoch, "batch": self.batch, "seed": self.sampler.seed,
+        return {"epoch": self.dataset.epoch, "batch": self.batch, "seed": self.dataset.plan.seed,
                 "rank": self.dataset.rank, "world_size": self.dataset.world_size}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at ``state["batch"]`` of ``state["epoch"]`` (restarts the workers if running)."""
-        if "seed" in state and int(state["seed"]) != self.sampler.seed:
+        seed = self.dataset.plan.seed
+        if "seed" in state and int(state["seed"]) != seed:
             raise SFMError(f"the saved data position is for seed {state['seed']}, this stream has seed "
-                           f"{self.sampler.seed}; resume with the same data.seed")
+                           f"{seed}; resume with the same data.seed")
         self._shutdown()
         self.dataset.set_epoch(int(state.get("epoch", 0)))
-        self.batch = int(state["batch"] if "batch" in state else state["step"])  # "step": older checkpoints
+        self.batch = int(state["batch"])
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` at its first batch."""
@@ -247,29 +254,31 @@ class BatchStream:
 
     def close(self) -> None:
         self._shutdown()
-        self.sampler.close()
+        self.dataset.close()
 
 
-def _adopt_environment(environ: dict[str, str], worker_id: int) -> None:
-    """Give a worker the environment of the process that started it (S3 endpoint, credentials), as a
-    spawned process would have: forkserver children inherit the server's, fixed when it started."""
-    os.environ.clear()
-    os.environ.update(environ)
+def crop_dataset(store_urls: list[str], data, rank: int = 0, world_size: int = 1, slab: tuple[int, int] | None = None,
+                 node_ranks: int = 1, brick_reader: bool = True) -> CropDataset:
+    """The :class:`CropDataset` of data-parallel rank ``rank`` of ``world_size`` over ``store_urls``, built
+    from ``data`` (``JobConfig.data``, checked: :meth:`sfm.config.DataConfig.check`): its surveys, crop plan
+    and reader, reading ``slab`` of each crop (:class:`sfm.data.crop_reader.CropReader`). ``node_ranks``:
+    the training processes on this node, which share the pool of decoded regions (it is sized for them).
+    ``brick_reader``: see :class:`sfm.data.survey.Surveys`."""
+    surveys = Surveys(store_urls, data, brick_reader)
+    plan = CropPlan(surveys, data, world_size)
+    regions = region_pool_for(plan.regions, data, node_ranks) if plan.regions is not None else None
+    return CropDataset(plan, CropReader(surveys, data, slab, regions), rank, prefetch=data.prefetch)
 
 
-def training_stream(store_urls: list[str], data_cfg, rank: int = 0, world_size: int = 1,
-                    start_batch: int = 0, slab: tuple[int, int] | None = None) -> BatchStream:
-    """The :class:`BatchStream` data-parallel rank ``rank`` of ``world_size`` trains on, configured by
-    ``JobConfig.data``. Under context parallelism every cp rank of a dp group passes the group's dp
-    rank and its own ``slab`` (``(s.start, s.stop)`` of :func:`sfm.distributed.context_parallel.crop_slab`): the
-    group trains on the same crops, each rank reading only its rows of them."""
-    sampler = CropSampler(
-        store_urls, tuple(data_cfg.crop), seed=data_cfg.seed, min_live_fraction=data_cfg.min_live_fraction,
-        read_threads=data_cfg.read_threads, align=data_cfg.align,
-        augment=[a.strip() for a in data_cfg.augment.split(",")], client=data_cfg.client,
-        retry_seconds=data_cfg.retry_seconds, slab=slab, dtype=data_cfg.batch_dtype,
-        regions=RegionSettings.from_data(data_cfg), cache_mb=data_cfg.cache_mb,
-    )
-    dataset = CropDataset(sampler, data_cfg.batch_size, rank, world_size, start_batch=start_batch,
-                          prefetch=data_cfg.prefetch)
-    return BatchStream(dataset, workers=data_cfg.workers)
+def training_stream(store_urls: list[str], data, rank: int = 0, world_size: int = 1, start_batch: int = 0,
+                    slab: tuple[int, int] | None = None, node_ranks: int = 1,
+                    worker_init: Callable[[int], None] | None = None) -> BatchStream:
+    """The :class:`BatchStream` data-parallel rank ``rank`` of ``world_size`` trains on from batch
+    ``start_batch``, configured by ``data`` (``JobConfig.data``, checked), with ``data.workers`` worker
+    processes (``worker_init``: see :class:`BatchStream`). Under context parallelism every cp rank of a dp
+    group passes the group's dp rank and its own ``slab`` (``(s.start, s.stop)`` of
+    :func:`sfm.distributed.context_parallel.crop_slab`): the group trains on the same crops, each rank
+    reading only its rows of them. ``node_ranks``: the training processes on this node (:func:`crop_dataset`)."""
+    dataset = crop_dataset(store_urls, data, rank, world_size, slab, node_ranks)
+    dataset.start_batch = int(start_batch)
+    return BatchStream(dataset, workers=data.workers, worker_init=worker_init)

@@ -21,12 +21,9 @@ The pool of decoded regions a node's processes share is :class:`sfm.data.region_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-
-from sfm.errors import SFMError
 
 
 class Region(NamedTuple):
@@ -104,20 +101,22 @@ class RegionPlan:
     """Which region, and where in it, each sample comes from (see the module docstring).
 
     Args:
-        surveys: the sampler's :class:`sfm.data.survey.SurveyInfo` list; ``origins``: their allowed crop
+        surveys: the plan's :class:`sfm.data.survey.SurveyInfo` list; ``origins``: their allowed crop
             origins (:class:`sfm.data.survey.CropOrigins`), ``weights``: survey probabilities.
-        crop: (D, H, W); ``step``: the crop-origin grid along each axis (1s, or the bricks when aligned).
-        crops_per_region: k >= 2; ``region_bricks``: the region in bricks; ``lanes``: regions in flight.
-        batch_size, world_size: the data-parallel geometry the sample indices are laid out for.
+        steps: the crop-origin grid of each survey along each axis (1s, or the bricks when aligned).
+        data: the checked ``JobConfig.data``: ``crop`` (D, H, W), ``crops_per_region`` k >= 2,
+            ``region_bricks`` (the region in bricks), ``regions_in_flight`` (lanes; 0: the batch size) and
+            ``batch_size``.
+        world_size: the data-parallel ranks the sample indices are laid out for.
     """
 
-    def __init__(self, surveys, origins, weights, crop, steps, crops_per_region: int, region_bricks,
-                 lanes: int, batch_size: int, world_size: int):
-        self.k = int(crops_per_region)
-        self.batch_size, self.world_size = int(batch_size), int(world_size)
-        self.lanes = max(int(lanes) or self.batch_size, self.batch_size)
+    def __init__(self, surveys, origins, weights, steps, data, world_size: int):
+        self.k = int(data.crops_per_region)
+        self.batch_size, self.world_size = int(data.batch_size), int(world_size)
+        self.lanes = max(int(data.regions_in_flight) or self.batch_size, self.batch_size)
         self.weights = weights
         self._drawn: dict[tuple[int, int, int], Region] = {}
+        crop, region_bricks = tuple(int(c) for c in data.crop), tuple(int(b) for b in data.region_bricks)
         self.grids = [_SurveyRegions(s.shape, s.bricks, region_bricks, crop, o.allowed, st)
                       for s, o, st in zip(surveys, origins, steps)]
 
@@ -147,29 +146,3 @@ class RegionPlan:
         if len(self._drawn) > 4 * self.lanes * self.k:
             self._drawn.pop(next(iter(self._drawn)))  # the oldest: dicts keep insertion order
         return region
-
-
-@dataclass
-class RegionSettings:
-    """The region-pool part of ``JobConfig.data`` that :class:`sfm.data.crops.CropSampler` takes."""
-
-    crops_per_region: int = 1
-    region_bricks: tuple[int, int, int] = (2, 2, 2)
-    regions_in_flight: int = 0
-    pool_dir: str = ""
-    pool_mb: int = 0
-
-    @classmethod
-    def from_data(cls, data_cfg) -> "RegionSettings":
-        """The settings in ``JobConfig.data``."""
-        return cls(data_cfg.crops_per_region, tuple(data_cfg.region_bricks), data_cfg.regions_in_flight,
-                   data_cfg.pool_dir, data_cfg.pool_mb)
-
-    def check(self) -> None:
-        if int(self.crops_per_region) < 1:
-            raise SFMError(f"data.crops_per_region = {self.crops_per_region} must be at least 1 (1: a fetch per crop)")
-        if len(self.region_bricks) != 3 or min(int(b) for b in self.region_bricks) < 1:
-            raise SFMError(f"data.region_bricks = {list(self.region_bricks)} must be 3 positive brick counts, "
-                           "e.g. [2, 2, 2]")
-        if int(self.regions_in_flight) < 0 or int(self.pool_mb) < 0:
-            raise SFMError("data.regions_in_flight and data.pool_mb must be >= 0 (0: automatic)")

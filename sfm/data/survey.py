@@ -1,19 +1,24 @@
-"""What the crop sampler knows of one survey: :class:`SurveyInfo` (shape, bricks, live traces, the
-normalisation from the stored statistics) and the origins a crop may start at (:class:`CropOrigins`)."""
+"""The surveys a process reads: what the data path knows of one survey, :class:`SurveyInfo` (shape, bricks,
+live traces, the normalisation from the stored statistics), the origins a crop may start at
+(:class:`CropOrigins`), and :class:`Surveys`, the surveys of a job with their stores opened in each
+process that reads them."""
 
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from sfm.errors import SFMError
 
-from sfm.data.store import open_survey_store
+from sfm.data.bricks import BrickReader
+from sfm.data.store import ResilientStore, open_survey_store
 
 log = logging.getLogger(__name__)
 _local = threading.local()
@@ -30,7 +35,7 @@ def _scratch(shape: tuple[int, ...]) -> np.ndarray:
 
 @dataclass
 class SurveyInfo:
-    """What the sampler needs to know about one survey; small enough to send to worker processes."""
+    """What the data path needs to know about one survey; small enough to send to worker processes."""
 
     store_url: str
     name: str
@@ -187,3 +192,133 @@ def read_survey_info(store_url: str, store=None, client: str = "auto", retry_sec
         source_kind=str(attrs.get("source_kind", "segy")),
     )
     return info, amp
+
+
+class Surveys:
+    """The surveys a process reads, as a sequence of :class:`SurveyInfo` (``surveys[k]``), with the live handles
+    to read them: each survey's store, amplitude array and brick reader.
+
+    The infos are small and travel to DataLoader workers; the handles (S3 clients, the readers' buffers) do
+    not survive pickling or a fork, so a copy reopens the stores in the process that reads, on first use.
+    Surveys smaller than the crop along any axis are left out: no crop fits them.
+
+    Args:
+        store_urls: survey stores (local paths or s3:// URLs).
+        data: the checked ``JobConfig.data``: its ``crop``, ``client`` and ``retry_seconds``
+            (:func:`sfm.data.store.open_survey_store`), and ``batch_dtype`` (int8 batches need int8 stores).
+        brick_reader: read through :mod:`sfm.data.bricks` where the store layout allows (a third less CPU than
+            zarr's read path); False: always through zarr.
+    """
+
+    def __init__(self, store_urls: list[str], data, brick_reader: bool = True):
+        if not store_urls:
+            raise SFMError("no survey stores to read; ingest at least one survey")
+        self.client, self.retry_seconds = data.client, float(data.retry_seconds)
+        self.brick_reader = bool(brick_reader)
+        crop = tuple(int(c) for c in data.crop)
+        opened = [read_survey_info(url, open_survey_store(url, self.client, self.retry_seconds), self.client,
+                                   self.retry_seconds) for url in store_urls]
+        fits = [all(n >= c for n, c in zip(info.shape, crop)) for info, _ in opened]
+        if not any(fits):
+            shapes = ", ".join(f"{info.store_url}: {info.shape}" for info, _ in opened)
+            raise SFMError(f"every survey is smaller than the crop {crop} ({shapes}); set data.crop smaller")
+        self.info = [info for (info, _), ok in zip(opened, fits) if ok]
+        if data.batch_dtype == "int8":
+            self._check_int8()
+        self._arrays = [amp for (_, amp), ok in zip(opened, fits) if ok]
+        # where each amplitude is read: an MDIO store's, for a reference
+        self._stores: list[ResilientStore] = [a.store_path.store for a in self._arrays]
+        self._readers = self._brick_readers()
+        self._pid: int | None = os.getpid()
+        self._lock = threading.Lock()
+
+    def _check_int8(self) -> None:
+        """int8 batches deliver stored int8 values: every survey must be an int8 store of sfm's own."""
+        other = [s for s in self.info if s.stored_dtype != "int8"]
+        mdio = [s for s in other if s.source_kind == "mdio"]
+        if mdio:
+            raise SFMError(f"data.batch_dtype = \"int8\" delivers stored int8 values, but survey {mdio[0].name} "
+                           f"({mdio[0].store_url}) is an MDIO store read in place ({mdio[0].stored_dtype}); set "
+                           "data.batch_dtype to float16, or export it to SEG-Y and ingest that with --dtype int8")
+        if other:
+            raise SFMError(f"data.batch_dtype = \"int8\" delivers stored int8 values, but survey store "
+                           f"{other[0].store_url} holds {other[0].stored_dtype}; ingest with --dtype int8 or "
+                           "set data.batch_dtype to float16")
+
+    def __len__(self) -> int:
+        return len(self.info)
+
+    def __getitem__(self, k: int) -> SurveyInfo:
+        return self.info[k]
+
+    def __iter__(self) -> Iterator[SurveyInfo]:
+        return iter(self.info)
+
+    # ---- the live handles, (re)opened in each process that reads ---------------------------------
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.update(_stores=[], _arrays=[], _readers=[], _lock=None, _pid=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        """Open the stores in this process, unless they are: clients do not survive a fork."""
+        if self._pid == os.getpid() and self._arrays:
+            return
+        import zarr
+
+        with self._lock:
+            if self._pid == os.getpid() and self._arrays:
+                return
+            stores, arrays = [], []
+            for s in self.info:
+                store = open_survey_store(s.store_url, self.client, self.retry_seconds)
+                try:
+                    group = zarr.open_group(store, mode="r")
+                    amp = open_amplitude(dict(group.attrs), group, self.client, self.retry_seconds)
+                except Exception as err:
+                    raise SFMError(f"cannot reopen survey store {s.store_url}: {type(err).__name__}: {err}; check "
+                                   "the S3 endpoint is reachable") from err
+                arrays.append(amp)
+                stores.append(amp.store_path.store)
+            self._stores, self._arrays = stores, arrays
+            self._readers = self._brick_readers()
+            self._pid = os.getpid()
+
+    def _brick_readers(self) -> list[BrickReader | None]:
+        return [BrickReader.for_array(a) if self.brick_reader else None for a in self._arrays]
+
+    def store(self, k: int) -> ResilientStore:
+        """Survey ``k``'s store in this process (where its amplitude is read)."""
+        self.open()
+        return self._stores[k]
+
+    def array(self, k: int):
+        """Survey ``k``'s amplitude zarr array in this process."""
+        self.open()
+        return self._arrays[k]
+
+    def reader(self, k: int) -> BrickReader | None:
+        """Survey ``k``'s brick reader in this process; None: its layout is read through zarr."""
+        self.open()
+        return self._readers[k]
+
+    def retrying(self, on: bool) -> None:
+        """Let transient read failures be retried (``on``), or make the reads still running give up."""
+        for store in self._stores:
+            store.closed = not on
+
+    def fetch_stats(self) -> dict[str, int]:
+        """Bytes, requests and retries this process has fetched from storage so far."""
+        return {k: sum(getattr(s, k) for s in self._stores) for k in ("bytes_fetched", "requests", "retries")}
+
+    def read_cpu(self) -> dict[str, float]:
+        """Thread CPU seconds this process's brick readers spent receiving, decoding and normalising."""
+        spent: collections.Counter = collections.Counter()
+        for reader in self._readers:
+            if reader is not None:
+                spent.update(reader.cpu)
+        return {phase: float(spent.get(phase, 0.0)) for phase in ("receive", "decode", "normalise")}

@@ -8,6 +8,7 @@ address from ``current.parallel``; on Slurm the same call runs under srun. Each 
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -15,7 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 from sfm.errors import SFMError
 
@@ -24,6 +25,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def environment_for_workers() -> Callable[[int], None]:
+    """A DataLoader ``worker_init_fn`` that gives each worker this process's environment as it is now (S3
+    endpoint, credentials), as a spawned process would have it: forkserver children inherit the server's,
+    fixed when it started (:class:`sfm.data.loader.BatchStream`)."""
+    return functools.partial(_adopt_environment, dict(os.environ))
+
+
+def _adopt_environment(environ: dict[str, str], worker_id: int) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 def port_for(key: str) -> int:

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from sfm.config import JobConfig
-from sfm.data import CropSampler
+from sfm.config import DataConfig, JobConfig
+from sfm.data import CropDataset, crop_dataset
 
 TARGET_PREDICTORS = ("model", "zero", "mean", "interp")
 
@@ -166,9 +166,9 @@ def predictions(model, imgs: torch.Tensor, pred: torch.Tensor, mask: torch.Tenso
             "interp": (interp - mu) / sd}
 
 
-def survey_mean_standardised(sampler: CropSampler, index: int) -> float:
-    """The survey mean of sample ``index``'s survey, mapped the way the sampler maps amplitudes (~0)."""
-    s = sampler.surveys[sampler.locate(index)[0]]
+def survey_mean_standardised(crops: CropDataset, index: int) -> float:
+    """The survey mean of sample ``index``'s survey, mapped the way the loader maps amplitudes (~0)."""
+    s = crops.surveys[crops.locate(index).survey]
     return float((np.clip(s.mean, *s.clip) - s.mean) / s.std)
 
 
@@ -181,7 +181,8 @@ def evaluate_model(model, store_urls: list[str], cfg: JobConfig, example: dict |
     on visible ones).
     """
     crop = tuple(model.cfg.crop)
-    sampler = CropSampler(store_urls, crop, seed=cfg.eval.seed, min_live_fraction=cfg.data.min_live_fraction)
+    held_out = DataConfig(crop=crop, seed=cfg.eval.seed, min_live_fraction=cfg.data.min_live_fraction, augment="")
+    crops = crop_dataset(store_urls, held_out)  # unaugmented crops of the eval seed
     target_scores = {name: MaskedError() for name in TARGET_PREDICTORS}
     generator_state = torch.get_rng_state()
     torch.manual_seed(cfg.eval.seed)  # same masks for every model evaluated with this config
@@ -190,9 +191,9 @@ def evaluate_model(model, store_urls: list[str], cfg: JobConfig, example: dict |
         with torch.no_grad():
             for first in range(0, cfg.eval.crops, cfg.eval.batch_size):
                 indices = list(range(first, min(cfg.eval.crops, first + cfg.eval.batch_size)))
-                imgs = torch.from_numpy(sampler.read_many(indices))
+                imgs = torch.from_numpy(crops.read(indices))
                 _, pred, mask = model(imgs)
-                means = torch.tensor([survey_mean_standardised(sampler, i) for i in indices])
+                means = torch.tensor([survey_mean_standardised(crops, i) for i in indices])
                 target = model.patch_targets(imgs)
                 for name, p in predictions(model, imgs, pred, mask, means).items():
                     target_scores[name].add(p, target, mask)
@@ -205,7 +206,7 @@ def evaluate_model(model, store_urls: list[str], cfg: JobConfig, example: dict |
                                                                grid)[0, 0].numpy())
     finally:
         torch.set_rng_state(generator_state)
-        sampler.close()
+        crops.close()
     target = {name: acc.result() for name, acc in target_scores.items()}
     metrics: dict[str, Any] = {
         "masked_nmse": target["model"]["nmse"], "masked_psnr": target["model"]["psnr"],

@@ -111,6 +111,9 @@ def train_node(cfg: JobConfig, *, surveys: list[str], run_root: str, launch: Nod
     cfg.set("dist.nodes", launch.nodes)
     cfg.set("dist.procs_per_node", launch.procs_per_node)
     cfg.validate()
+    from sfm.model import model_config_for
+
+    model_config_for(cfg)  # the model layer's check: the preset makes a model at the job's crop and masking
     job = {"config": cfg.to_dict(), "surveys": surveys, "run_root": run_root}
     if dry_run:  # with the cluster environment as this node's processes would see it
         from sfm.ops.cluster import node_environment

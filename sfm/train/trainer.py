@@ -39,6 +39,7 @@ from sfm import storage
 from sfm.config import JobConfig
 from sfm.data import training_stream
 from sfm.distributed import strategies
+from sfm.distributed.launch import environment_for_workers
 from sfm.distributed.layout import Layout, cp_group, replica_digests
 from sfm.errors import SFMError
 from sfm.model import build_model, model_config_for, train_flops_per_sample
@@ -235,7 +236,9 @@ class Trainer:
         layout = self.layout
         on_slab = {"slab": (self.slab.start, self.slab.stop)} if self.slab is not None else {}
         self.stream = training_stream(self.job["surveys"], self.cfg.data, rank=layout.dp_rank,
-                                      world_size=layout.dp, start_batch=self.step * self.micro_batches, **on_slab)
+                                      world_size=layout.dp, start_batch=self.step * self.micro_batches,
+                                      node_ranks=min(self.world, self.cfg.dist.procs_per_node),
+                                      worker_init=environment_for_workers(), **on_slab)
         state = resumed["state"].get("data") if resumed is not None else None
         if state is not None and state.get("world_size") == layout.dp:
             self.stream.load_state_dict(state)

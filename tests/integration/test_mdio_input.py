@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import zarr
 
+from support.crop_stores import crops_of
 from sfm import data, storage
 from sfm.data.bricks import BrickReader
 from sfm.errors import SFMError
@@ -71,15 +72,15 @@ def test_registered_mdio_reads_what_the_ingested_segy_reads(name, registered):
 def test_normalised_crops_equal_the_segy_ones(registered, brick_reader):
     mdio_row, segy_row = registered["holes"]
     kwargs = dict(seed=3, min_live_fraction=0.5, augment=data.AUGMENTATIONS, brick_reader=brick_reader)
-    ours = data.CropSampler([mdio_row["store_url"]], CROP, **kwargs)
-    theirs = data.CropSampler([segy_row["store_url"]], CROP, **kwargs)
-    assert (ours._readers[0] is not None) == brick_reader
+    ours = crops_of([mdio_row["store_url"]], CROP, **kwargs)
+    theirs = crops_of([segy_row["store_url"]], CROP, **kwargs)
+    assert (ours.surveys.reader(0) is not None) == brick_reader
     indices = list(range(24))
     assert [ours.locate(i) for i in indices] == [theirs.locate(i) for i in indices]
-    got, want = ours.read_many(indices), theirs.read_many(indices)
+    got, want = ours.read(indices), theirs.read(indices)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert ours.fetch_stats()["bytes_fetched"] > 0  # read from the MDIO store, through the counting store
+    assert ours.surveys.fetch_stats()["bytes_fetched"] > 0  # read from the MDIO store, through the counting store
 
 
 @pytest.mark.parametrize("name", ["f3", "holes"])
@@ -183,7 +184,7 @@ def test_sfm_train_resolves_an_mdio_url_to_its_registration(registered, mdio_sto
                                        rf"sfm ingest {url} --out {tmp_path}$"):
         training_surveys(surveys=url, data_root=str(tmp_path))
     with pytest.raises(SFMError, match="int8.*is an MDIO store read in place"):
-        data.CropSampler([mdio_row["store_url"]], CROP, dtype="int8")
+        crops_of([mdio_row["store_url"]], CROP, batch_dtype="int8")
 
 
 def test_the_fixture_stores_fit_the_mdio_input_contract(mdio_stores):
@@ -201,11 +202,11 @@ def test_an_s3_copy_registers_as_the_same_survey_and_reads_the_same(s3_env, mdio
     assert json.loads(row["stats_json"])["count"] == json.loads(local["stats_json"])["count"]
     assert not [k for k in s3_env.keys("mdio-in", "sfm/") if "amplitude" in k]  # nothing copied
     kwargs = dict(seed=4, min_live_fraction=0.5)
-    remote = data.CropSampler([row["store_url"]], CROP, **kwargs)
+    remote = crops_of([row["store_url"]], CROP, **kwargs)
     assert remote.surveys[0].store_url.startswith("s3://")
-    np.testing.assert_allclose(remote.read_many([0, 1]),
-                               data.CropSampler([local["store_url"]], CROP, **kwargs).read_many([0, 1]), rtol=1e-6)
-    assert remote.fetch_stats()["bytes_fetched"] > 0
+    np.testing.assert_allclose(remote.read([0, 1]),
+                               crops_of([local["store_url"]], CROP, **kwargs).read([0, 1]), rtol=1e-6)
+    assert remote.surveys.fetch_stats()["bytes_fetched"] > 0
 
 
 def test_the_survey_store_contract_tells_the_two_kinds_apart(registered):

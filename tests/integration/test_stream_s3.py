@@ -15,20 +15,21 @@ import threading
 import pytest
 import torch
 
+from support.crop_stores import stream as crop_stream
 from support.crop_stores import survey_with_holes
 from support.s3_rclone import fault_proxy, rclone_s3  # noqa: F401  (fixtures)
 from sfm import data
-from sfm.data.regions import RegionSettings
 from sfm.errors import SFMError
 
 CROP = (16, 16, 16)
 
 
-def open_stream(url: str, *, workers: int = 0, client: str = "auto", retry_seconds: float = 60.0, regions=None,
-                **kw):
-    sampler = data.CropSampler([url], CROP, seed=kw.pop("seed", 31), augment=data.AUGMENTATIONS,
-                               client=client, retry_seconds=retry_seconds, read_threads=4, regions=regions)
-    return data.BatchStream(data.CropDataset(sampler, 4, prefetch=1, **kw), workers=workers)
+def open_stream(url: str, *, workers: int = 0, **settings):
+    """Batches of 4 crops with every augmentation, read on 4 threads (each worker with this process's
+    environment: the S3 endpoint the test set), retrying for 60 s, unless ``settings`` say otherwise."""
+    settings = {"seed": 31, "client": "auto", "retry_seconds": 60.0, **settings}
+    return crop_stream([url], batch=4, workers=workers, crop=CROP, augment=data.AUGMENTATIONS, read_threads=4,
+                       prefetch=1, **settings)
 
 
 def take(stream: data.BatchStream, n: int) -> list[torch.Tensor]:
@@ -48,13 +49,13 @@ def test_stream_survives_a_restart_of_rclone_serve_s3(rclone_s3, monkeypatch, tm
         monkeypatch.setenv(key, value)
     rclone_s3.make_bucket("stream")  # one bucket: rclone lists the buckets it serves once, at start
     url, _, _ = survey_with_holes(tmp_path, f"s3://stream/root-{k}", shape=(48, 40, 64), seed=3)
-    pools = [RegionSettings(crops_per_region=k, pool_dir=str(tmp_path / f"pool-{n}")) for n in range(2)]
-    reference = open_stream(str(rclone_s3.local_path(url)), regions=pools[0])  # the same bytes, as a local folder
+    pools = [dict(crops_per_region=k, pool_dir=str(tmp_path / f"pool-{n}")) for n in range(2)]
+    reference = open_stream(str(rclone_s3.local_path(url)), **pools[0])  # the same bytes, as a local folder
     want = take(reference, 12)
     reference.close()
 
-    stream = open_stream(url, regions=pools[1])
-    assert stream.sampler._stores[0].range_reader is not None  # "auto": bricks over sfm.storage.ranged_get
+    stream = open_stream(url, **pools[1])
+    assert stream.dataset.surveys.store(0).range_reader is not None  # "auto": bricks over sfm.storage.ranged_get
     got = take(stream, 3)
     rclone_s3.stop()  # killed mid-stream: open connections reset, new ones refused
     restart = threading.Timer(3.0, rclone_s3.start)
@@ -65,7 +66,7 @@ def test_stream_survives_a_restart_of_rclone_serve_s3(rclone_s3, monkeypatch, tm
         restart.join()
         stream.close()
     assert_same_batches(got, want)
-    assert stream.sampler.fetch_stats()["retries"] > 0  # the outage did hit the loader's reads
+    assert stream.dataset.surveys.fetch_stats()["retries"] > 0  # the outage did hit the loader's reads
 
 
 @pytest.mark.timeout(240)

@@ -14,6 +14,8 @@ import pytest
 import zarr
 
 from sfm import data
+from sfm.config import DataConfig
+from sfm.distributed.launch import environment_for_workers
 from sfm.ingest import survey as ingest
 from sfm.ingest import synth
 
@@ -70,18 +72,36 @@ def surveys(tmp_path_factory):
     return SimpleNamespace(tmp=tmp, urls=[a_url, b_url], amp=[a_amp, b_amp], live=[a_live, b_live])
 
 
-def stream(urls, *, batch=4, rank=0, world=1, workers=0, start=0, num_batches=None, **sampler_kw):
-    """A BatchStream over ``urls`` (16^3 crops unless ``crop=`` says otherwise)."""
-    sampler = data.CropSampler(urls, sampler_kw.pop("crop", (16, 16, 16)), **sampler_kw)
-    dataset = data.CropDataset(sampler, batch, rank, world, start_batch=start, num_batches=num_batches)
-    return data.BatchStream(dataset, workers=workers)
+def data_config(crop=(16, 16, 16), *, augment=(), **settings) -> DataConfig:
+    """A checked ``[data]`` section: ``crop``, the augmentations named in ``augment`` (none unless given) and
+    any other settings (the section's defaults otherwise)."""
+    cfg = DataConfig(crop=tuple(crop), augment=",".join(augment), **settings)
+    cfg.check()
+    return cfg
 
 
-def expected_crop(surveys, sampler: data.CropSampler, index: int) -> np.ndarray:
+def crops_of(urls, crop=(16, 16, 16), *, rank=0, world=1, slab=None, epoch=0, brick_reader=True,
+          **settings) -> data.CropDataset:
+    """The crops of ``urls`` by sample index (``.locate``, ``.read``), from :func:`data_config` settings."""
+    dataset = data.crop_dataset(urls, data_config(crop, **settings), rank, world, slab=slab, brick_reader=brick_reader)
+    dataset.set_epoch(epoch)
+    return dataset
+
+
+def stream(urls, *, batch=4, rank=0, world=1, workers=0, start=0, num_batches=None, crop=(16, 16, 16),
+           slab=None, epoch=0, **settings) -> data.BatchStream:
+    """A BatchStream over ``urls`` (16^3 crops unless ``crop=`` says otherwise) from :func:`data_config`
+    settings, with each worker given this process's environment."""
+    dataset = crops_of(urls, crop, rank=rank, world=world, slab=slab, epoch=epoch, batch_size=batch, **settings)
+    dataset.start_batch, dataset.num_batches = start, num_batches
+    return data.BatchStream(dataset, workers=workers, worker_init=environment_for_workers())
+
+
+def expected_crop(surveys, crops: data.CropDataset, index: int) -> np.ndarray:
     """Sample ``index`` computed from the generator's own amplitude, the stored statistics and the
     crop's location, independently of the loader's read path."""
-    c = sampler.locate(index)
-    url = surveys.urls[surveys.urls.index(sampler.surveys[c.survey].store_url)]
+    c = crops.locate(index)
+    url = surveys.urls[surveys.urls.index(crops.surveys[c.survey].store_url)]
     stats = dict(zarr.open_group(url, mode="r").attrs)["stats"]
     lo, hi = stats["percentiles"]["0.1"], stats["percentiles"]["99.9"]
     k = surveys.urls.index(url)

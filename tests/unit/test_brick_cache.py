@@ -15,11 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from support.crop_stores import expected_crop, stream, surveys  # noqa: F401  (surveys: a fixture)
+from support.crop_stores import crops_of, expected_crop, stream, surveys  # noqa: F401  (surveys: a fixture)
 from sfm import data
-from sfm.config import JobConfig
 from sfm.data.brick_cache import BrickCache
-from sfm.errors import SFMError
 
 CROP = (16, 16, 16)
 SAMPLES = list(range(48))
@@ -27,37 +25,37 @@ SAMPLES = list(range(48))
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_cached_crops_are_the_uncached_ones_bit_for_bit(surveys, dtype):
-    plain = data.CropSampler(surveys.urls, CROP, seed=5, augment=data.AUGMENTATIONS, dtype=dtype)
-    cached = data.CropSampler(surveys.urls, CROP, seed=5, augment=data.AUGMENTATIONS, dtype=dtype, cache_mb=64)
+    plain = crops_of(surveys.urls, CROP, seed=5, augment=data.AUGMENTATIONS, batch_dtype=dtype)
+    cached = crops_of(surveys.urls, CROP, seed=5, augment=data.AUGMENTATIONS, batch_dtype=dtype, cache_mb=64)
     try:
-        want = plain.read_many(SAMPLES)
-        first = cached.read_many(SAMPLES)
-        again = cached.read_many(SAMPLES)  # now from the cache alone
+        want = plain.read(SAMPLES)
+        first = cached.read(SAMPLES)
+        again = cached.read(SAMPLES)  # now from the cache alone
         assert first.dtype == np.dtype(dtype)
         assert first.tobytes() == want.tobytes() and again.tobytes() == want.tobytes()
         if dtype == "float32":
             for i in SAMPLES[:12]:
                 np.testing.assert_allclose(first[i, 0], expected_crop(surveys, cached, i), rtol=1e-5, atol=1e-5)
-        stats = cached.cpu_stats()
+        stats = cached.reader.cpu_stats()
         assert stats["cache_hits"] > stats["cache_misses"] > 0
-        assert plain.cpu_stats()["cache_hits"] == 0
+        assert plain.reader.cpu_stats()["cache_hits"] == 0
     finally:
         plain.close(), cached.close()
 
 
 def test_each_brick_is_fetched_once_while_the_surveys_fit(surveys):
-    cached = data.CropSampler(surveys.urls, CROP, seed=1, cache_mb=64)
+    cached = crops_of(surveys.urls, CROP, seed=1, cache_mb=64)
     try:
-        cached.read_many(SAMPLES)
-        fetched = cached.fetch_stats()["requests"]
+        cached.read(SAMPLES)
+        fetched = cached.surveys.fetch_stats()["requests"]
         assert fetched > 0
-        cached.read_many(SAMPLES)
-        assert cached.fetch_stats()["requests"] == fetched  # every brick those crops touch is cached
-        cached.read_many([n + 1000 for n in SAMPLES])  # other crops: only bricks not seen yet are fetched
+        cached.read(SAMPLES)
+        assert cached.surveys.fetch_stats()["requests"] == fetched  # every brick those crops touch is cached
+        cached.read([n + 1000 for n in SAMPLES])  # other crops: only bricks not seen yet are fetched
         touched = {(c.survey, *(range(o // 16, (o + n - 1) // 16 + 1) for o, n in zip(c.origin, c.extent)))
                    for c in map(cached.locate, SAMPLES + [n + 1000 for n in SAMPLES])}
         bricks = {(s, i, j, k) for s, *axes in touched for i in axes[0] for j in axes[1] for k in axes[2]}
-        assert cached.cpu_stats()["cache_misses"] == len(bricks)  # each read once, by one of the 8 threads
+        assert cached.reader.cpu_stats()["cache_misses"] == len(bricks)  # each read once, by one of the 8 threads
     finally:
         cached.close()
 
@@ -108,22 +106,22 @@ def test_threads_wanting_one_brick_read_it_once_and_a_failed_read_is_tried_again
 
 
 def test_a_tight_budget_still_gives_the_same_crops(surveys):
-    plain = data.CropSampler(surveys.urls, CROP, seed=2, augment=data.AUGMENTATIONS)
-    tight = data.CropSampler(surveys.urls, CROP, seed=2, augment=data.AUGMENTATIONS, cache_mb=1)  # 64 bricks of 16 KiB
+    plain = crops_of(surveys.urls, CROP, seed=2, augment=data.AUGMENTATIONS)
+    tight = crops_of(surveys.urls, CROP, seed=2, augment=data.AUGMENTATIONS, cache_mb=1)  # 64 bricks of 16 KiB
     try:
-        assert tight.read_many(SAMPLES).tobytes() == plain.read_many(SAMPLES).tobytes()
-        assert 0 < tight.cpu_stats()["cache_mb"] <= 1
+        assert tight.read(SAMPLES).tobytes() == plain.read(SAMPLES).tobytes()
+        assert 0 < tight.reader.cpu_stats()["cache_mb"] <= 1
     finally:
         plain.close(), tight.close()
 
 
 def test_a_worker_process_starts_with_its_own_empty_cache(surveys):
-    cached = data.CropSampler(surveys.urls, CROP, seed=3, cache_mb=64)
+    cached = crops_of(surveys.urls, CROP, seed=3, cache_mb=64)
     try:
-        cached.read_many(SAMPLES[:8])
+        cached.read(SAMPLES[:8])
         copy = pickle.loads(pickle.dumps(cached))  # what a spawned DataLoader worker gets
-        assert copy._cache is None and copy.cpu_stats()["cache_hits"] == 0
-        assert copy.read_many(SAMPLES[:8]).tobytes() == cached.read_many(SAMPLES[:8]).tobytes()
+        assert copy.reader._cache is None and copy.reader.cpu_stats()["cache_hits"] == 0
+        assert copy.read(SAMPLES[:8]).tobytes() == cached.read(SAMPLES[:8]).tobytes()
         copy.close()
     finally:
         cached.close()
@@ -140,12 +138,3 @@ def test_batches_through_worker_processes_with_the_cache_are_the_plain_ones(surv
     plain = take(stream(surveys.urls, seed=4, augment=data.AUGMENTATIONS), 6)
     cached = take(stream(surveys.urls, seed=4, augment=data.AUGMENTATIONS, workers=2, cache_mb=32), 6)
     assert all(a.numpy().tobytes() == b.numpy().tobytes() for a, b in zip(plain, cached))
-
-
-def test_a_negative_cache_size_is_a_one_line_error(surveys):
-    with pytest.raises(SFMError, match="data.cache_mb"):
-        data.CropSampler(surveys.urls, CROP, cache_mb=-1)
-    cfg = JobConfig()
-    cfg.data.cache_mb = -5
-    with pytest.raises(SFMError, match="data.cache_mb = -5 must be at least 0"):
-        cfg.validate()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from sfm.errors import SFMError
+
 
 def test_job_settings_are_validated_with_the_key_and_the_fix():
     from sfm import pipeline
-    from sfm.errors import SFMError
 
     for kwargs, words in ((dict(max_steps=-5), "train.max_steps = -5 must be at least 1; pass a positive --max-steps"),
                           (dict(preset="gigantic"), "valid presets are tiny, mini"),
@@ -30,16 +31,73 @@ def test_job_settings_are_validated_with_the_key_and_the_fix():
     pipeline.job_config({"train": {"optimizer": "muon"}}, procs_per_node=2)  # DDP holds whole matrices
 
 
-def test_configs_saved_by_earlier_releases_still_load():
-    """A registry version or checkpoint of the release before the downstream evaluation holds the fault
-    probe's keys; its config still loads (the watcher continues from such a champion)."""
+def test_keys_no_release_reads_are_unknown():
+    """0.1.0 has no earlier configs to carry: the fault probe's old keys are refused like any other."""
     from sfm.config import JobConfig
 
-    old = {"eval": {"crops": 8, "batch_size": 8, "seed": 1234, "probe_train_volumes": 8, "probe_test_volumes": 4},
-           "ingest": {"iline_byte": 0, "xline_byte": 0, "chunk": 128, "codec": "zstd:1"}}
-    cfg = JobConfig.from_dict(old)
-    assert cfg.eval.crops == 8 and cfg.ingest.chunk == 128 and cfg.ingest.dtype == "float32"
-    with pytest.raises(Exception, match="unknown config key"):
-        JobConfig.from_dict({"eval": {"probe_volumes": 3}})
-    with pytest.raises(Exception, match="'eval.probe_train_volumes' was retired; see eval.downstream"):
-        JobConfig.from_toml(None, ["eval.probe_train_volumes=8"])  # a user's override is told what replaced it
+    with pytest.raises(SFMError, match="unknown config key 'eval.probe_train_volumes'"):
+        JobConfig.from_dict({"eval": {"crops": 8, "probe_train_volumes": 8}})
+    with pytest.raises(SFMError, match="unknown config key 'eval.probe_test_volumes'; valid keys in \\[eval\\]"):
+        JobConfig.from_toml(None, ["eval.probe_test_volumes=4"])
+
+
+def test_values_take_the_type_of_their_field():
+    from sfm.config import JobConfig
+
+    cfg = JobConfig.from_dict({"data": {"crop": 48, "region_bricks": [1.0, 2, 3], "min_live_fraction": 1,
+                                        "augment": "swap"},
+                               "model": {"patch": [4, 4, 8]}, "train": {"betas": 0.9, "snapshots": 0.5,
+                                                                        "compile": "yes", "max_steps": 7.0},
+                               "eval": {"budgets": [1, 4, 16]}})
+    assert cfg.data.crop == (48, 48, 48) and cfg.data.region_bricks == (1, 2, 3)
+    assert cfg.data.min_live_fraction == 1.0 and isinstance(cfg.data.min_live_fraction, float)
+    assert cfg.model.patch == (4, 4, 8) and cfg.train.betas == (0.9, 0.9) and cfg.train.snapshots == (0.5,)
+    assert cfg.train.compile is True and cfg.train.max_steps == 7 and isinstance(cfg.train.max_steps, int)
+    assert cfg.eval.budgets == (1, 4, 16)
+    cfg.set("model.patch", None)  # the preset's
+    assert cfg.model.patch is None
+    with pytest.raises(SFMError, match=r"config key 'train.max_steps' got 7.5: not an integer; expected int$"):
+        cfg.set("train.max_steps", 7.5)
+    with pytest.raises(SFMError, match=r"config key 'data.crop' got \['a'\].*; expected tuple\[int, int, int\]$"):
+        cfg.set("data.crop", ["a"])
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"crop": [16, 0, 16]}, "data.crop = [16, 0, 16] is not a crop shape; give 3 positive sizes"),
+    ({"crop": [16, 16]}, "data.crop = [16, 16] is not a crop shape"),
+    ({"align": "sideways"}, "data.align = 'sideways' is not valid; use one of voxel, brick"),
+    ({"augment": "flip_inline, rotate"}, "data.augment names rotate; use any of flip_inline"),
+    ({"min_live_fraction": 1.5}, "data.min_live_fraction = 1.5 must lie in [0, 1]"),
+    ({"batch_dtype": "int4"}, "data.batch_dtype = 'int4' is not valid; use one of float32, float16, int8"),
+    ({"client": "curl"}, "data.client = 'curl' is not valid"),
+    ({"batch_size": 0}, "data.batch_size = 0 must be at least 1"),
+    ({"read_threads": 0}, "data.read_threads = 0 must be at least 1"),
+    ({"workers": -1}, "data.workers = -1 must be at least 0"),
+    ({"prefetch": 0}, "data.prefetch = 0 must be at least 1"),
+    ({"cache_mb": -1}, "data.cache_mb = -1 must be at least 0 (0: no brick cache)"),
+    ({"crops_per_region": 0}, "data.crops_per_region = 0 must be at least 1 (1: a fetch per crop)"),
+    ({"crops_per_region": 4, "region_bricks": [2, 0, 2]}, "data.region_bricks = [2, 0, 2] must be 3 positive brick"),
+    ({"regions_in_flight": -1}, "data.regions_in_flight = -1 must be at least 0 (0: automatic)"),
+    ({"pool_mb": -2}, "data.pool_mb = -2 must be at least 0 (0: automatic)"),
+])
+def test_each_bad_data_setting_is_one_line_naming_it(settings, words):
+    """The data settings are checked once, by their section (JobConfig.validate calls it): the loader builds
+    from a checked section and checks none of them again."""
+    from sfm.config import DataConfig, JobConfig
+
+    for check in (JobConfig.from_dict({"data": settings}).validate, DataConfig(**settings).check):
+        with pytest.raises(SFMError) as err:
+            check()
+        assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_config_imports_no_layer_above_it():
+    import ast
+    from pathlib import Path
+
+    import sfm.config
+
+    tree = ast.parse(Path(sfm.config.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    assert not {m for m in imported if m.split(".")[:2] in (["sfm", "data"], ["sfm", "model"], ["sfm", "ingest"])}

@@ -16,9 +16,9 @@ import pytest
 import torch
 import zarr
 
-from support.crop_stores import expected_crop, stream, survey_with_holes, surveys  # noqa: F401  (surveys: a fixture)
+from support.crop_stores import crops_of, expected_crop, stream, survey_with_holes, surveys  # noqa: F401 (a fixture)
 from sfm import data
-from sfm.data import bricks, crops
+from sfm.data import bricks, crop_reader
 from sfm.config import JobConfig
 from sfm.errors import SFMError
 from sfm.storage.ranged_file import LocalRangeReader
@@ -58,7 +58,7 @@ def test_two_ranks_with_two_workers_each_draw_disjoint_streams(surveys):
         with_workers = take(stream(surveys.urls, batch=batch, rank=rank, world=2, workers=2, seed=5), n)
         in_process = take(stream(surveys.urls, batch=batch, rank=rank, world=2, workers=0, seed=5), n)
         assert all(torch.equal(a, b) for a, b in zip(with_workers, in_process))
-        dataset = data.CropDataset(data.CropSampler(surveys.urls, CROP, seed=5), batch, rank, 2)
+        dataset = crops_of(surveys.urls, CROP, seed=5, batch_size=batch, rank=rank, world=2)
         for worker in (0, 1):
             batches = list(itertools.islice(dataset.worker_batches(worker, 2), n // 2))
             assert batches == list(range(worker, n, 2))
@@ -100,8 +100,8 @@ def test_epochs_end_and_resume_inside_a_later_epoch(surveys):
 
 
 def test_crops_are_normalised_with_the_stored_statistics(surveys):
-    sampler = data.CropSampler(surveys.urls, CROP, seed=11, min_live_fraction=0.3, augment=data.AUGMENTATIONS)
-    crops = sampler.read_many(list(range(48)))
+    sampler = crops_of(surveys.urls, CROP, seed=11, min_live_fraction=0.3, augment=data.AUGMENTATIONS)
+    crops = sampler.read(list(range(48)))
     located = [sampler.locate(i) for i in range(48)]
     for i in range(48):
         np.testing.assert_allclose(crops[i, 0], expected_crop(surveys, sampler, i), rtol=1e-5, atol=1e-5)
@@ -120,25 +120,25 @@ def test_crops_are_normalised_with_the_stored_statistics(surveys):
 
 def test_float16_store_decodes_to_the_same_crops(surveys, tmp_path):
     url16, _, _ = survey_with_holes(tmp_path, str(tmp_path / "root16"), shape=(48, 40, 64), seed=0, dtype="float16")
-    f32 = data.CropSampler(surveys.urls[:1], CROP, seed=13, augment=data.AUGMENTATIONS)
-    f16 = data.CropSampler([url16], CROP, seed=13, augment=data.AUGMENTATIONS)
+    f32 = crops_of(surveys.urls[:1], CROP, seed=13, augment=data.AUGMENTATIONS)
+    f16 = crops_of([url16], CROP, seed=13, augment=data.AUGMENTATIONS)
     assert zarr.open_group(url16, mode="r")["amplitude"].dtype == np.float16
-    np.testing.assert_allclose(f16.read_many(list(range(8))), f32.read_many(list(range(8))), atol=5e-3)
+    np.testing.assert_allclose(f16.read(list(range(8))), f32.read(list(range(8))), atol=5e-3)
 
 
 @pytest.mark.parametrize("threshold", [0.5, 0.9, 1.0])
 def test_crops_under_the_live_threshold_never_appear(surveys, threshold):
-    sampler = data.CropSampler(surveys.urls, CROP, seed=17, min_live_fraction=threshold)
+    sampler = crops_of(surveys.urls, CROP, seed=17, min_live_fraction=threshold)
     for i in range(400):
         c = sampler.locate(i)
         live = surveys.live[c.survey][c.origin[0] : c.origin[0] + CROP[0], c.origin[1] : c.origin[1] + CROP[1]]
         assert live.mean() >= threshold, (i, c, live.mean())
-    crops = sampler.read_many(list(range(24)))[:, 0]
+    crops = sampler.read(list(range(24)))[:, 0]
     live_traces = (crops != 0).any(axis=-1).mean(axis=(1, 2))
     assert (live_traces >= threshold).all()
     sampler.close()
     # the threshold does bite: without it, crops with fewer live traces are drawn
-    unfiltered = data.CropSampler(surveys.urls, CROP, seed=17, min_live_fraction=0.0)
+    unfiltered = crops_of(surveys.urls, CROP, seed=17, min_live_fraction=0.0)
     fractions = [surveys.live[c.survey][c.origin[0] : c.origin[0] + 16, c.origin[1] : c.origin[1] + 16].mean()
                  for c in map(unfiltered.locate, range(400))]
     assert min(fractions) < 0.5
@@ -147,14 +147,14 @@ def test_crops_under_the_live_threshold_never_appear(surveys, threshold):
 def test_time_reversal_and_polarity_leave_the_rest_of_the_stream_as_it_was(surveys):
     """Turning on ``reverse_time``/``invert_polarity`` adds their draws after the others: every crop keeps
     its survey, origin, flips and swap, so a run that turns them on changes only those two."""
-    base = data.CropSampler(surveys.urls, CROP, seed=5, augment=("flip_inline", "flip_crossline", "swap"))
-    more = data.CropSampler(surveys.urls, CROP, seed=5, augment=data.AUGMENTATIONS)
+    base = crops_of(surveys.urls, CROP, seed=5, augment=("flip_inline", "flip_crossline", "swap"))
+    more = crops_of(surveys.urls, CROP, seed=5, augment=data.AUGMENTATIONS)
     located = [(base.locate(i), more.locate(i)) for i in range(64)]
     assert all(a == b._replace(reverse_time=False, invert=False) for a, b in located)
     assert not any(a.reverse_time or a.invert for a, _ in located)
     drawn = np.array([(b.reverse_time, b.invert) for _, b in located])
     assert 0.25 < drawn.mean(axis=0).min() and drawn.mean(axis=0).max() < 0.75
-    x, y = base.read_many(list(range(8))), more.read_many(list(range(8)))
+    x, y = base.read(list(range(8))), more.read(list(range(8)))
     for n, (_, b) in enumerate(located[:8]):
         want = x[n, 0][:, :, ::-1] if b.reverse_time else x[n, 0]
         np.testing.assert_array_equal(y[n, 0], -want if b.invert else want)
@@ -162,23 +162,23 @@ def test_time_reversal_and_polarity_leave_the_rest_of_the_stream_as_it_was(surve
 
 
 def test_swap_only_when_the_crop_allows_it(surveys):
-    square = data.CropSampler(surveys.urls, (16, 16, 8), seed=1, augment=("swap",), min_live_fraction=0)
-    oblong = data.CropSampler(surveys.urls, (16, 24, 8), seed=1, augment=("swap",), min_live_fraction=0)
+    square = crops_of(surveys.urls, (16, 16, 8), seed=1, augment=("swap",), min_live_fraction=0)
+    oblong = crops_of(surveys.urls, (16, 24, 8), seed=1, augment=("swap",), min_live_fraction=0)
     assert any(square.locate(i).swap for i in range(50))
     assert not any(oblong.locate(i).swap for i in range(50))
-    assert oblong.read(0).shape == (1, 16, 24, 8)
+    assert oblong.read([0]).shape == (1, 1, 16, 24, 8)
 
 
 def test_brick_alignment_reads_whole_bricks_and_nothing_else(surveys):
     crop = (32, 32, 32)
-    aligned = data.CropSampler(surveys.urls[:1], crop, seed=19, align="brick", min_live_fraction=0.3)
-    anywhere = data.CropSampler(surveys.urls[:1], crop, seed=19, align="voxel", min_live_fraction=0.3)
+    aligned = crops_of(surveys.urls[:1], crop, seed=19, align="brick", min_live_fraction=0.3)
+    anywhere = crops_of(surveys.urls[:1], crop, seed=19, align="voxel", min_live_fraction=0.3)
     assert all(o % 16 == 0 for c in map(aligned.locate, range(40)) for o in c.origin)
     stats = {}
     for name, sampler in (("brick", aligned), ("voxel", anywhere)):
-        before = sampler.fetch_stats()["bytes_fetched"]
-        sampler.read_many(list(range(16)))
-        stats[name] = (sampler.fetch_stats()["bytes_fetched"] - before) / (16 * 4 * 32**3)  # fetched / delivered
+        before = sampler.surveys.fetch_stats()["bytes_fetched"]
+        sampler.read(list(range(16)))
+        stats[name] = (sampler.surveys.fetch_stats()["bytes_fetched"] - before) / (16 * 4 * 32**3)  # fetched / delivered
         sampler.close()
     # an aligned crop fetches its 8 compressed bricks (blosc makes them a little smaller than the crop);
     # an unaligned one fetches up to 27
@@ -195,11 +195,11 @@ def test_large_crops_are_read_as_brick_tiles(surveys, monkeypatch):
             assert lo == 0 or (region[0][axis] + lo) % 16 == 0  # cuts only on brick boundaries
     assert (covered == 1).all() and len(tiles) > 8
 
-    whole = data.CropSampler(surveys.urls, (32, 32, 48), seed=23, augment=data.AUGMENTATIONS).read_many([0, 1, 2])
-    monkeypatch.setattr(crops, "_TILE_VOXELS", 16**3)
-    tiled = data.CropSampler(surveys.urls, (32, 32, 48), seed=23, augment=data.AUGMENTATIONS)
+    whole = crops_of(surveys.urls, (32, 32, 48), seed=23, augment=data.AUGMENTATIONS).read([0, 1, 2])
+    monkeypatch.setattr(crop_reader, "_TILE_VOXELS", 16**3)
+    tiled = crops_of(surveys.urls, (32, 32, 48), seed=23, augment=data.AUGMENTATIONS)
     assert len(data.brick_tiles(tiled.locate(0).origin, tiled.locate(0).extent, (16, 16, 16))) >= 4
-    np.testing.assert_array_equal(tiled.read_many([0, 1, 2]), whole)
+    np.testing.assert_array_equal(tiled.read([0, 1, 2]), whole)
 
 
 def test_training_stream_follows_the_job_config(surveys):
@@ -209,7 +209,7 @@ def test_training_stream_follows_the_job_config(surveys):
     try:
         batch = next(s)
         assert batch.shape == (3, 1, 16, 16, 16)
-        assert s.sampler.align == "brick" and s.sampler.augment == ("flip_inline", "swap")
+        assert s.dataset.plan.align == "brick" and s.dataset.plan.augment == ("flip_inline", "swap")
         assert list(s.dataset.sample_indices(5)) == [33, 34, 35]
         assert s.state_dict()["batch"] == 6
     finally:
@@ -217,22 +217,20 @@ def test_training_stream_follows_the_job_config(surveys):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"align": "sideways"}, "data.align"),
-    ({"augment": ("rotate",)}, "data.augment"),
     ({"crop": (64, 64, 64)}, "smaller than the crop"),
-    ({"crop": (16, 16, 16), "min_live_fraction": 1.5}, "min_live_fraction"),
     ({"crop": (40, 40, 16), "min_live_fraction": 1.0}, "live traces"),
 ])
-def test_bad_data_settings_are_one_line_errors(surveys, kwargs, match):
+def test_surveys_no_crop_fits_are_one_line_errors(surveys, kwargs, match):
+    """Settings that are valid but fit no survey (each bad setting's own error: tests/unit/test_config.py)."""
     with pytest.raises(SFMError, match=match) as err:
-        s = data.CropSampler(surveys.urls[:1], kwargs.pop("crop", CROP), **kwargs)
-        s.read(0)
+        s = crops_of(surveys.urls[:1], kwargs.pop("crop", CROP), **kwargs)
+        s.read([0])
     assert "\n" not in str(err.value)
 
 
 def test_missing_store_is_an_error_naming_it(tmp_path):
     with pytest.raises(SFMError, match="nowhere.zarr"):
-        data.CropSampler([str(tmp_path / "nowhere.zarr")], CROP)
+        crops_of([str(tmp_path / "nowhere.zarr")], CROP)
 
 
 def write_store(path, ingested: str, amplitude: np.ndarray, live: np.ndarray, **array_options) -> str:
@@ -270,12 +268,12 @@ def test_brick_reader_reads_what_zarr_reads(surveys, tmp_path, layout, monkeypat
     monkeypatch.setattr(LocalRangeReader, "read_into", lambda self, *a: ranged.append(a[0]) or read_into(self, *a))
     layout = {"dtype": "float32", **layout}
     url = write_store(tmp_path / "direct.zarr", surveys.urls[0], surveys.amp[0], surveys.live[0], **layout)
-    fast = data.CropSampler([url], (24, 20, 40), seed=29, augment=data.AUGMENTATIONS, min_live_fraction=0.3)
-    slow = data.CropSampler([url], (24, 20, 40), seed=29, augment=data.AUGMENTATIONS, min_live_fraction=0.3,
+    fast = crops_of([url], (24, 20, 40), seed=29, augment=data.AUGMENTATIONS, min_live_fraction=0.3)
+    slow = crops_of([url], (24, 20, 40), seed=29, augment=data.AUGMENTATIONS, min_live_fraction=0.3,
                             brick_reader=False)
-    assert isinstance(fast._readers[0], bricks.BrickReader) and slow._readers == [None]
-    np.testing.assert_array_equal(fast.read_many(list(range(12))), slow.read_many(list(range(12))))
-    assert isinstance(fast._stores[0].range_reader, LocalRangeReader)
+    assert isinstance(fast.surveys.reader(0), bricks.BrickReader) and slow.surveys.reader(0) is None
+    np.testing.assert_array_equal(fast.read(list(range(12))), slow.read(list(range(12))))
+    assert isinstance(fast.surveys.store(0).range_reader, LocalRangeReader)
     if "shards" in layout:
         assert ranged and all(key.startswith(url + "/amplitude/") for key in ranged)
     else:
@@ -293,18 +291,18 @@ def test_a_truncated_local_shard_fails_at_once_naming_the_survey(surveys, tmp_pa
             fh.seek(0)
             fh.truncate()
             fh.write(index)
-    sampler = data.CropSampler([url], (24, 20, 40), seed=29, min_live_fraction=0.3, retry_seconds=60)
+    sampler = crops_of([url], (24, 20, 40), seed=29, min_live_fraction=0.3, retry_seconds=60)
     with pytest.raises(SFMError, match=r"reading survey .*cut\.zarr.*EOFError: .* the store is truncated"):
-        sampler.read_many(list(range(4)))
-    assert sampler._stores[0].retries == 0
+        sampler.read(list(range(4)))
+    assert sampler.surveys.store(0).retries == 0
 
 
 def test_layouts_the_brick_reader_does_not_know_are_read_through_zarr(surveys, tmp_path):
     url = write_store(tmp_path / "big-endian.zarr", surveys.urls[0], surveys.amp[0], surveys.live[0],
                       chunks=(16, 16, 16), dtype="float32", serializer=zarr.codecs.BytesCodec(endian="big"))
-    sampler = data.CropSampler([url], CROP, seed=31)
-    assert sampler._readers == [None]
-    np.testing.assert_allclose(sampler.read(3)[0], expected_crop(
+    sampler = crops_of([url], CROP, seed=31)
+    assert sampler.surveys.reader(0) is None
+    np.testing.assert_allclose(sampler.read([3])[0, 0], expected_crop(
         SimpleNamespace(urls=[url], amp=surveys.amp[:1], live=surveys.live[:1]), sampler, 3), rtol=1e-5, atol=1e-5)
 
 
@@ -328,3 +326,24 @@ def test_batch_buffers_are_reused_only_once_no_tensor_holds_them(surveys):
     finally:
         s.close()
     assert len(addresses) <= 2 + 3 + len(held), addresses  # reused: prefetch + in hand + held, not 12
+
+
+def test_the_data_path_reads_no_environment_and_takes_its_settings_as_a_section():
+    """Nothing in sfm/data reads the process environment (the launch layout and a worker's environment come
+    from the caller), and no function there takes more than 8 parameters: settings travel as ``JobConfig.data``."""
+    import ast
+    from pathlib import Path
+
+    package = Path(data.__file__).parent
+    offenders = []
+    for path in sorted(package.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        offenders += [f"{path.name}: os.{node.attr}" for node in ast.walk(tree)
+                      if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb")]
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+                if len(names) + bool(a.vararg) + bool(a.kwarg) > 8:
+                    offenders.append(f"{path.name}: {node.name} takes {len(names)} parameters")
+    assert not offenders, offenders

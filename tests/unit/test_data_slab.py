@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from support.crop_stores import stream, surveys  # noqa: F401 (surveys: the same two holed surveys, a fixture)
+from support.crop_stores import crops_of, stream, surveys  # noqa: F401 (surveys: the same two holed surveys, a fixture)
 from sfm import data
 from sfm.config import JobConfig
 from sfm.distributed.context_parallel import crop_slab
@@ -56,20 +56,20 @@ def test_the_slabs_of_a_cp_group_tile_its_crops_exactly(surveys, seed, augment):
 
 def test_every_augmentation_combination_is_covered_by_the_tiling(surveys):
     """The seeds above draw most combinations; this pins each of the 8 (flip_il, flip_xl, swap)."""
-    sampler = data.CropSampler(surveys.urls, SQUARE, seed=5, augment=data.AUGMENTATIONS, min_live_fraction=0.3)
+    sampler = crops_of(surveys.urls, SQUARE, seed=5, augment=data.AUGMENTATIONS, min_live_fraction=0.3)
     by_kind = {}
     for i in range(200):
         c = sampler.locate(i)
         by_kind.setdefault((c.flip_inline, c.flip_crossline, c.swap), i)
     assert len(by_kind) == 8
     indices = list(by_kind.values())
-    whole = sampler.read_many(indices)
+    whole = sampler.read(indices)
     for cp in (2, 3):
         parts = []
         for slab in slabs(SQUARE, cp):
-            part = data.CropSampler(surveys.urls, SQUARE, seed=5, augment=data.AUGMENTATIONS, min_live_fraction=0.3,
+            part = crops_of(surveys.urls, SQUARE, seed=5, augment=data.AUGMENTATIONS, min_live_fraction=0.3,
                                     slab=slab)
-            parts.append(part.read_many(indices))
+            parts.append(part.read(indices))
             part.close()
         np.testing.assert_array_equal(np.concatenate(parts, axis=2), whole)
     sampler.close()
@@ -78,16 +78,16 @@ def test_every_augmentation_combination_is_covered_by_the_tiling(surveys):
 def test_a_cp_rank_fetches_only_the_bricks_of_its_slab(surveys):
     crop, n = (32, 32, 32), 12  # brick-aligned crops of 2 x 2 x 2 bricks of 16^3
     kw = dict(seed=19, align="brick", min_live_fraction=0.3, augment=data.AUGMENTATIONS)
-    whole = data.CropSampler(surveys.urls[:1], crop, **kw)
-    whole.read_many(list(range(n)))
-    full = whole.fetch_stats()["bytes_fetched"]
+    whole = crops_of(surveys.urls[:1], crop, **kw)
+    whole.read(list(range(n)))
+    full = whole.surveys.fetch_stats()["bytes_fetched"]
     whole.close()
     fetched = []
     for slab in slabs(crop, 2):
-        rank = data.CropSampler(surveys.urls[:1], crop, slab=slab, **kw)
-        before = rank.fetch_stats()["bytes_fetched"]
-        rank.read_many(list(range(n)))
-        fetched.append(rank.fetch_stats()["bytes_fetched"] - before)
+        rank = crops_of(surveys.urls[:1], crop, slab=slab, **kw)
+        before = rank.surveys.fetch_stats()["bytes_fetched"]
+        rank.read(list(range(n)))
+        fetched.append(rank.surveys.fetch_stats()["bytes_fetched"] - before)
         rank.close()
     assert all(f < 0.7 * full for f in fetched), (fetched, full)
     assert sum(fetched) == pytest.approx(full, rel=0.05)  # the group together reads each brick about once
@@ -112,7 +112,7 @@ def test_training_stream_takes_the_slab(surveys):
     s = data.training_stream(surveys.urls, cfg.data, rank=1, world_size=2, start_batch=3, slab=(8, 16))
     try:
         assert next(s).shape == (2, 1, 8, 24, 16)
-        assert s.sampler.slab == (8, 16) and list(s.dataset.sample_indices(3)) == [14, 15]
+        assert s.dataset.reader.slab == (8, 16) and list(s.dataset.sample_indices(3)) == [14, 15]
     finally:
         s.close()
 
@@ -120,7 +120,7 @@ def test_training_stream_takes_the_slab(surveys):
 @pytest.mark.parametrize("slab", [(0, 0), (8, 4), (-4, 8), (16, 32)])
 def test_a_slab_outside_the_crop_is_an_error(surveys, slab):
     with pytest.raises(SFMError, match="slab"):
-        data.CropSampler(surveys.urls, SQUARE, slab=slab)
+        crops_of(surveys.urls, SQUARE, slab=slab)
 
 
 def test_crop_slab_maps_rows_to_the_mirrored_source_range():

@@ -16,7 +16,7 @@ import torch
 import zarr
 
 from support import ingest_cases as cases
-from support.crop_stores import as_delivered, segy_with_holes
+from support.crop_stores import as_delivered, crops_of, segy_with_holes, stream
 from sfm import data
 from sfm.config import INGEST_DTYPES, IngestConfig
 from sfm.errors import SFMError
@@ -115,9 +115,9 @@ def test_int8_store_gives_the_float32_crops(tmp_path):
     segy_with_holes(sgy, (32, 30, 48), seed=0)  # 960 cells: the quantisation and the statistics see every trace
     stores = {dtype: ingest_survey(str(sgy), str(tmp_path / dtype), chunk=16, dtype=dtype)["store_url"]
               for dtype in ("float32", "int8")}
-    samplers = {dtype: data.CropSampler([url], CROP, seed=13, augment=data.AUGMENTATIONS, brick_reader=False)
+    samplers = {dtype: crops_of([url], CROP, seed=13, augment=data.AUGMENTATIONS, brick_reader=False)
                 for dtype, url in stores.items()}
-    crops = {dtype: s.read_many(list(range(8))) for dtype, s in samplers.items()}
+    crops = {dtype: s.read(list(range(8))) for dtype, s in samplers.items()}
     attrs = read_store_attrs(stores["int8"])
     stats, scale = attrs["stats"], attrs["amplitude_transform"]["scale"]
     largest = max(abs(stats["percentiles"][p] - stats["mean"]) for p in ("0.1", "99.9")) / stats["std"]
@@ -157,16 +157,14 @@ def test_a_bad_dtype_is_one_line_naming_the_choices():
 
 def test_the_brick_reader_and_the_region_pool_read_int8_stores_as_zarr_does(survey, tmp_path):
     from sfm.data.bricks import BrickReader
-    from sfm.data.regions import RegionSettings
 
     group = survey.store.group
     reader = BrickReader.for_array(group["amplitude"])
     assert reader is not None and reader.dtype == np.int8  # int8 bricks decoded by the brick reader
     crop = (8, 8, 8)
-    direct = data.CropSampler([survey.store.url], crop, seed=3, brick_reader=False)
-    pooled = data.CropSampler([survey.store.url], crop, seed=3, regions=RegionSettings(
-        crops_per_region=4, pool_dir=str(tmp_path / "pool")))
-    pooled.plan_batches(4, 1)
+    direct = crops_of([survey.store.url], crop, seed=3, brick_reader=False)
+    pooled = crops_of([survey.store.url], crop, seed=3, batch_size=4, crops_per_region=4,
+                      pool_dir=str(tmp_path / "pool"))
     try:
         for i in range(8):
             c = pooled.locate(i)
@@ -174,7 +172,7 @@ def test_the_brick_reader_and_the_region_pool_read_int8_stores_as_zarr_does(surv
             expected = np.empty(crop, np.float32)
             direct.surveys[0].normalise_into(group["amplitude"][box], expected)
             expected *= survey.live[box[:2]][:, :, None]
-            np.testing.assert_allclose(pooled.read(i)[0], as_delivered(expected, c), rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(pooled.read([i])[0, 0], as_delivered(expected, c), rtol=1e-6, atol=1e-6)
     finally:
         direct.close(), pooled.close()
 
@@ -197,14 +195,12 @@ def test_int8_batches_normalise_on_the_device_to_the_float32_batches_of_the_same
     """``batch_dtype = "int8"``: the stored values and each sample's clip and multiply-add travel; ``.float()``
     gives what the float32 batch of the same int8 stores holds (the same float32 operations), dead traces 0."""
     from sfm.data.int8_batch import DEAD, Int8Batch
-    from sfm.data.regions import RegionSettings
 
     s = two_int8_surveys
-    streams = {}
-    for dtype in ("int8", "float32"):
-        sampler = data.CropSampler(s.urls["int8"], CROP, seed=7, augment=data.AUGMENTATIONS, dtype=dtype,
-                                   regions=RegionSettings(crops_per_region=k, pool_dir=str(s.tmp / f"pool-{dtype}")))
-        streams[dtype] = data.BatchStream(data.CropDataset(sampler, 4, num_batches=6), workers=workers)
+    streams = {dtype: stream(s.urls["int8"], batch=4, num_batches=6, workers=workers, crop=CROP, seed=7,
+                             augment=data.AUGMENTATIONS, batch_dtype=dtype, crops_per_region=k,
+                             pool_dir=str(s.tmp / f"pool-{dtype}"))
+               for dtype in ("int8", "float32")}
     try:
         seen_dead = 0
         for got, want in zip(streams["int8"], streams["float32"], strict=True):
@@ -223,7 +219,7 @@ def test_int8_batches_normalise_on_the_device_to_the_float32_batches_of_the_same
 
 def test_int8_batches_need_int8_stores(two_int8_surveys):
     with pytest.raises(SFMError, match="holds float32; ingest with --dtype int8"):
-        data.CropSampler(two_int8_surveys.urls["float32"][:1], CROP, dtype="int8")
+        crops_of(two_int8_surveys.urls["float32"][:1], CROP, batch_dtype="int8")
 
 
 def test_an_int8_batch_pins_and_moves_as_one(two_int8_surveys):

@@ -18,21 +18,17 @@ import numpy as np
 import pytest
 import torch
 
-from support.crop_stores import expected_crop, stream, surveys  # noqa: F401  (surveys: a fixture)
+from support.crop_stores import crops_of, data_config, expected_crop, stream, surveys  # noqa: F401 (a fixture)
 from sfm import data
 from sfm.data import bricks, regions
 from sfm.data.region_pool import RegionPool
-from sfm.data.regions import RegionSettings
-from sfm.errors import SFMError
 
 CROP = (16, 16, 16)
 
 
-def pooled(surveys, tmp_path, k=4, batch=4, world=1, **kw) -> data.CropSampler:
-    settings = RegionSettings(crops_per_region=k, region_bricks=(2, 2, 2), pool_dir=str(tmp_path / "pool"))
-    sampler = data.CropSampler(surveys.urls, kw.pop("crop", CROP), regions=settings, **kw)
-    sampler.plan_batches(batch, world)
-    return sampler
+def pooled(surveys, tmp_path, k=4, batch=4, world=1, **kw) -> data.CropDataset:
+    return crops_of(surveys.urls, kw.pop("crop", CROP), world=world, batch_size=batch, crops_per_region=k,
+                    region_bricks=(2, 2, 2), pool_dir=str(tmp_path / "pool"), **kw)
 
 
 def rank_samples(rank: int, world: int, batch: int, batches: int) -> list[list[int]]:
@@ -48,7 +44,7 @@ def test_the_plan_gives_each_region_at_most_k_samples_of_one_rank_and_each_batch
     members: collections.Counter = collections.Counter()
     for rank in range(world):
         for indices in rank_samples(rank, world, batch, batches):
-            anchors = [sampler.plan.anchor(i) for i in indices]
+            anchors = [sampler.plan.regions.anchor(i) for i in indices]
             assert len(set(anchors)) == batch  # every batch draws from `batch` distinct regions
             for i, a in zip(indices, anchors):
                 owners[a].add(rank)
@@ -60,17 +56,17 @@ def test_the_plan_gives_each_region_at_most_k_samples_of_one_rank_and_each_batch
     assert all(len(ranks) == 1 for ranks in owners.values())  # a region belongs to one rank
     assert max(members.values()) == k
     # about one region per k samples, plus the lanes' first (staggered, shorter) regions
-    assert len(members) <= world * (batch * batches // k + sampler.plan.lanes)
+    assert len(members) <= world * (batch * batches // k + sampler.plan.regions.lanes)
     assert len(members) >= world * batch * batches // k
 
 
 def test_pooled_crops_are_the_survey_voxels(surveys, tmp_path):
     sampler = pooled(surveys, tmp_path, k=4, augment=data.AUGMENTATIONS)
     try:
-        batch = sampler.read_many(list(range(24)))
+        batch = sampler.read(list(range(24)))
         for i in range(24):
             np.testing.assert_allclose(batch[i, 0], expected_crop(surveys, sampler, i), rtol=1e-5, atol=1e-5)
-        stats = sampler.cpu_stats()
+        stats = sampler.reader.cpu_stats()
         assert stats["regions_built"] < 24 and stats["regions_built"] + stats["regions_reused"] >= 1
     finally:
         sampler.close()
@@ -78,9 +74,9 @@ def test_pooled_crops_are_the_survey_voxels(surveys, tmp_path):
 
 def test_float16_pooled_crops_round_the_float32_ones(surveys, tmp_path):
     a = pooled(surveys, tmp_path / "a", k=4)
-    b = pooled(surveys, tmp_path / "b", k=4, dtype="float16")
+    b = pooled(surveys, tmp_path / "b", k=4, batch_dtype="float16")
     try:
-        x, y = a.read_many(list(range(8))), b.read_many(list(range(8)))
+        x, y = a.read(list(range(8))), b.read(list(range(8)))
         assert y.dtype == np.float16
         np.testing.assert_allclose(y.astype(np.float32), x, rtol=2e-3, atol=2e-3)
     finally:
@@ -92,17 +88,15 @@ def test_a_slab_of_a_pooled_crop_is_those_rows_of_the_crop(surveys, tmp_path):
     part = pooled(surveys, tmp_path, k=4, slab=(4, 12))
     try:
         for i in range(8):
-            np.testing.assert_array_equal(part.read(i)[0], whole.read(i)[0, 4:12])
+            np.testing.assert_array_equal(part.read([i])[0, 0], whole.read([i])[0, 0, 4:12])
     finally:
         whole.close(), part.close()
 
 
 def _read_in_another_process(urls, pool_dir, indices, queue):
-    settings = RegionSettings(crops_per_region=4, region_bricks=(2, 2, 2), pool_dir=pool_dir)
-    sampler = data.CropSampler(urls, CROP, regions=settings)
-    sampler.plan_batches(4, 1)
-    out = sampler.read_many(indices)
-    queue.put((hashlib.sha1(out.tobytes()).hexdigest(), sampler.cpu_stats()))
+    sampler = crops_of(urls, CROP, batch_size=4, crops_per_region=4, region_bricks=(2, 2, 2), pool_dir=pool_dir)
+    out = sampler.read(indices)
+    queue.put((hashlib.sha1(out.tobytes()).hexdigest(), sampler.reader.cpu_stats()))
     sampler.close()
 
 
@@ -110,8 +104,8 @@ def test_another_process_of_the_node_reads_the_regions_without_fetching_them(sur
     sampler = pooled(surveys, tmp_path, k=4)
     indices = list(range(16))
     try:
-        mine = hashlib.sha1(sampler.read_many(indices).tobytes()).hexdigest()
-        built = sampler.cpu_stats()["regions_built"]
+        mine = hashlib.sha1(sampler.read(indices).tobytes()).hexdigest()
+        built = sampler.reader.cpu_stats()["regions_built"]
     finally:
         sampler.close()
     assert built >= 4
@@ -230,20 +224,18 @@ def _build_and_hang(pool_dir: str, name: str, shape, started) -> None:
 
 
 def test_a_worker_killed_while_building_a_region_loses_and_repeats_nothing(surveys, tmp_path):
-    settings = RegionSettings(crops_per_region=4, pool_dir=str(tmp_path / "pool"))
-    reference = stream(surveys.urls, batch=3, regions=RegionSettings(crops_per_region=4,
-                                                                    pool_dir=str(tmp_path / "reference")))
+    settings = dict(crops_per_region=4, pool_dir=str(tmp_path / "pool"))
+    reference = stream(surveys.urls, batch=3, crops_per_region=4, pool_dir=str(tmp_path / "reference"))
     try:
         want = [next(reference) for _ in range(6)]
     finally:
         reference.close()
-    s = stream(surveys.urls, batch=3, regions=settings)
-    sampler = s.sampler
-    region = sampler.locate(0).region
-    name = RegionPool.name(sampler.surveys[region.survey].identity, region, sampler.dtype)
+    s = stream(surveys.urls, batch=3, **settings)
+    region = s.dataset.locate(0).region
+    name = RegionPool.name(s.dataset.surveys[region.survey].identity, region, s.dataset.reader.dtype)
     ctx = multiprocessing.get_context("spawn")
     started = ctx.Event()
-    worker = ctx.Process(target=_build_and_hang, args=(settings.pool_dir, name, region.extent, started))
+    worker = ctx.Process(target=_build_and_hang, args=(settings["pool_dir"], name, region.extent, started))
     worker.start()
     assert started.wait(60)
     os.kill(worker.pid, 9)  # SIGKILL mid-build: its lock and half-written file stay behind
@@ -257,10 +249,9 @@ def test_a_worker_killed_while_building_a_region_loses_and_repeats_nothing(surve
 
 
 def test_resume_with_the_pool_gives_the_batches_of_an_uninterrupted_run(surveys, tmp_path):
-    settings = RegionSettings(crops_per_region=4, pool_dir=str(tmp_path / "pool"))
-
     def batches(start, n, workers):
-        s = stream(surveys.urls, batch=3, workers=workers, start=start, regions=settings)
+        s = stream(surveys.urls, batch=3, workers=workers, start=start, crops_per_region=4,
+                   pool_dir=str(tmp_path / "pool"))
         try:
             return [hashlib.sha1(next(s).numpy().tobytes()).hexdigest() for _ in range(n)]
         finally:
@@ -272,7 +263,7 @@ def test_resume_with_the_pool_gives_the_batches_of_an_uninterrupted_run(surveys,
 
 
 def test_float16_batch_stream_yields_float16(surveys, tmp_path):
-    s = stream(surveys.urls, batch=2, dtype="float16")
+    s = stream(surveys.urls, batch=2, batch_dtype="float16")
     try:
         assert next(s).dtype == torch.float16
     finally:
@@ -299,10 +290,15 @@ def test_bricks_stored_back_to_back_are_one_get(surveys):
     np.testing.assert_array_equal(out, expected)
 
 
-@pytest.mark.parametrize("settings, match", [
-    (RegionSettings(crops_per_region=0), "crops_per_region"),
-    (RegionSettings(crops_per_region=4, region_bricks=(2, 0, 2)), "region_bricks"),
-])
-def test_bad_region_settings_are_one_line_errors(surveys, settings, match):
-    with pytest.raises(SFMError, match=match):
-        data.CropSampler(surveys.urls, CROP, regions=settings)
+def test_the_pool_is_sized_for_the_ranks_of_the_node_it_is_given(surveys, tmp_path, monkeypatch):
+    """Two regions per lane for each training process of the node, as the launch layout says (the trainer
+    passes it down); the process environment is not read. data.pool_mb, when set, is the size."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "7")
+    cfg = data_config(batch_size=4, crops_per_region=4, pool_dir=str(tmp_path / "pool"))
+    one, four = (data.crop_dataset(surveys.urls, cfg, node_ranks=n) for n in (1, 4))
+    largest = max(int(np.prod(g.extent)) * 4 for g in one.plan.regions.grids)
+    assert one.reader.regions.budget_bytes == 2 * one.plan.regions.lanes * largest
+    assert four.reader.regions.budget_bytes == 4 * one.reader.regions.budget_bytes
+    given = data_config(batch_size=4, crops_per_region=4, pool_mb=3, pool_dir=str(tmp_path / "pool"))
+    assert data.crop_dataset(surveys.urls, given, node_ranks=4).reader.regions.budget_bytes == 3 << 20
+    assert data.crop_dataset(surveys.urls, data_config()).reader.regions is None  # one crop per region: no pool
