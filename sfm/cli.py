@@ -121,6 +121,14 @@ def _cmd_iam_policy(args: argparse.Namespace) -> None:
               "attach it as an inline role policy (10,240) or split it with --component", file=sys.stderr)
 
 
+def _cmd_network_policy(args: argparse.Namespace) -> None:
+    """Print the Kubernetes NetworkPolicy (JSON) of the pretrain step's pods, for `kubectl apply -f`."""
+    from sfm.ops.network_policy import network_policy
+
+    print(json.dumps(network_policy(args.namespace, name=args.name, https_cidrs=tuple(args.https_cidr or ["0.0.0.0/0"]),
+                                    extra_egress=tuple(args.allow_egress or [])), indent=2))
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     """One line (or JSON) from a run's heartbeat; exit 1 when the run is stale or failed."""
     from sfm.train import health
@@ -258,7 +266,7 @@ def _add_data_commands(sub) -> None:
 
 
 def _add_model_commands(sub) -> None:
-    """registry, watch, iam-policy: registered models, retraining and the S3 policy."""
+    """registry, watch, iam-policy, network-policy: registered models, retraining, the S3 and network policies."""
     p = sub.add_parser("registry", help="list, show, promote or load registered model versions")
     p.add_argument("action", choices=["list", "show", "promote", "load"])
     p.add_argument("--data-root", required=True)
@@ -296,6 +304,15 @@ def _add_model_commands(sub) -> None:
     p.add_argument("--kms-key-arn", action="append", help="KMS key of an SSE-KMS bucket (repeatable)")
     p.add_argument("--partition", default="aws", help="ARN partition (aws, aws-cn, aws-us-gov)")
     p.set_defaults(func=_cmd_iam_policy)
+
+    p = sub.add_parser("network-policy", help="print the Kubernetes NetworkPolicy isolating the pretrain pods (EKS)")
+    p.add_argument("--namespace", required=True, help="the flow's namespace (METAFLOW_KUBERNETES_NAMESPACE)")
+    p.add_argument("--name", default="sfm-pretrain")
+    p.add_argument("--https-cidr", action="append", help="where HTTPS may go (repeatable; default 0.0.0.0/0), "
+                   "e.g. the ranges of the region's S3 prefix list")
+    p.add_argument("--allow-egress", action="append", metavar="CIDR:PORT",
+                   help="more egress, e.g. the Metaflow metadata service (repeatable)")
+    p.set_defaults(func=_cmd_network_policy)
 
 
 def _add_run_commands(sub) -> None:
