@@ -108,12 +108,20 @@ def _cmd_watch(args: argparse.Namespace) -> None:
 
 
 def _cmd_iam_policy(args: argparse.Namespace) -> None:
-    """Print the least-privilege IAM policy (JSON) for the pipeline's S3 access to one data root."""
+    """Print the least-privilege IAM policy (JSON) for the pipeline's S3 access to one data root, or with
+    --bucket-policy the policy of its bucket (TLS only; with --vpce, only through those endpoints)."""
     from sfm.storage import iam
 
+    if args.bucket_policy:
+        from sfm.storage.bucket_policy import bucket_policy
+
+        print(iam.policy_json(bucket_policy(args.data_root, vpce=args.vpce or [],
+                                            exempt_principals=args.exempt_principal or [], partition=args.partition)))
+        return
     components = args.component or [*iam.COMPONENTS, *(["demo"] if args.demo else [])]
     document = iam.policy(args.data_root, landing=args.landing or [], metaflow_root=args.metaflow_root,
-                          components=components, kms_key_arns=args.kms_key_arn or [], partition=args.partition)
+                          components=components, kms_key_arns=args.kms_key_arn or [], partition=args.partition,
+                          vpce=args.vpce or [])
     print(iam.policy_json(document))
     size = iam.minified_size(document)
     if size > iam.MANAGED_POLICY_MAX_CHARS:
@@ -303,6 +311,12 @@ def _add_model_commands(sub) -> None:
     p.add_argument("--demo", action="store_true", help="also let the embedded demo write <data-root>/landing")
     p.add_argument("--kms-key-arn", action="append", help="KMS key of an SSE-KMS bucket (repeatable)")
     p.add_argument("--partition", default="aws", help="ARN partition (aws, aws-cn, aws-us-gov)")
+    p.add_argument("--vpce", action="append", help="VPC endpoint id (vpce-...) every S3 grant is limited to "
+                   "(aws:SourceVpce; repeatable)")
+    p.add_argument("--bucket-policy", action="store_true", help="print instead the data root bucket's policy: "
+                   "deny requests without TLS and, with --vpce, from outside those endpoints")
+    p.add_argument("--exempt-principal", action="append", metavar="ARN", help="with --bucket-policy --vpce: a "
+                   "role or user still allowed from outside the endpoints, e.g. the administrators' (repeatable)")
     p.set_defaults(func=_cmd_iam_policy)
 
     p = sub.add_parser("network-policy", help="print the Kubernetes NetworkPolicy isolating the pretrain pods (EKS)")
