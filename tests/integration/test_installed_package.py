@@ -2,8 +2,9 @@
 Dockerfile runs, builds the wheel from this checkout (`pip wheel --no-deps`) and installs it into a fresh
 virtual environment (dependencies from the same indexes and wheels as the test install; torch==2.13.0 is
 the CPU build on this machine's disk). Then, from a folder outside the repository, with nothing of the
-checkout on the path: `sfm ingest` of the F3 crop, `sfm train` for a few steps, the demo flow run from a
-copy of flows/pretrain_flow.py (small overrides keep it short), and `sfm registry load` of what it registered.
+checkout on the path: `sfm ingest` of the F3 crop, `sfm train` for a few steps (its MFU never above 100 %),
+the flow file `sfm watch` runs read by Metaflow from the package, the demo flow run from a copy of
+flows/pretrain_flow.py (small overrides keep it short), and `sfm registry load` of what it registered.
 
 One virtual environment serves the session; the install's and each command's wall time are printed
 (`pytest -s`) for CI's budget.
@@ -68,7 +69,7 @@ def installed(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("installed")
     assert PROJECT not in base.resolve().parents
     venv, work = base / "venv", base / "work"
-    work.mkdir()
+    (work / ".metaflow").mkdir(parents=True)  # Metaflow keeps its local datastore here, not in a folder above
     env = outside_env(base)
     proc = timed("deploy/install.sh", ["bash", str(INSTALL), "--python", sys.executable, "--venv", str(venv),
                                        "--torch", "torch==2.13.0", str(PROJECT)], work, env, timeout=1500)
@@ -107,11 +108,17 @@ def test_installed_package_ingests_trains_runs_the_flow_and_loads_from_the_regis
                     work, env, 600)
     summary = json.loads(trained.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 3 and Path(summary["model_url"], "model.safetensors").is_file()
+    written = json.loads((work / "run" / "summary.json").read_text())
+    assert all(0 < h["mfu"] <= 1 for h in written["history"] if "mfu" in h)  # never above the peak
+    assert written["mfu"] is None or 0 < written["mfu"] <= 1
+
+    # the flow `sfm watch` runs is the package's own file, and Metaflow reads it as a flow
+    shown = timed("the packaged flow", [python, where["flow"], "show"], work, env, 300)
+    assert "pretrain" in shown.stdout + shown.stderr
 
     # the demo flow from a copy outside the checkout: it registers sfm-mae v1 in ./sfm_data
     shutil.copy(FLOW, work / "pretrain_flow.py")
     (work / "demo_fast.toml").write_text(DEMO_OVERRIDES)
-    (work / ".metaflow").mkdir()
     flow = timed("the demo flow", [python, "pretrain_flow.py", "--config", "config", "demo_fast.toml", "run"],
                  work, env, 1200)
     assert "registered sfm-mae v1" in flow.stdout + flow.stderr
