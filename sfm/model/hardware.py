@@ -60,7 +60,7 @@ class PeakFlops:
     On a GPU the datasheet knows (bf16), its dense peak. Elsewhere (CPU, other GPUs and dtypes) the fastest
     matmul rate measured on this process's threads, a figure a busy moment can only lower, never raise:
     the best of ``probes`` short timings at start-up, then one more at each of the first ``spread``
-    logged windows (start-up spread over the run's first minutes, so cores another process held while
+    logged windows (the measurement spread over the run's first windows, so cores another process held while
     the run started are outvoted) and one whenever a window's utilisation comes out above the peak (the
     measured peak was too low). A figure still above 100 % is a wrong FLOP count or a wrong peak: it is
     logged once and not reported.
