@@ -13,12 +13,13 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from sfm.errors import SFMError
 
-DEFAULT_TOML = Path(__file__).with_name("default.toml")
+DEFAULT_TOML = Path(str(resources.files("sfm") / "default.toml"))  # inside the package, also when installed
 # data.augment: what sfm.data.crops may apply per crop (the last two: time axis reversed, polarity inverted)
 AUGMENTATIONS = ("flip_inline", "flip_crossline", "swap", "reverse_time", "invert_polarity")
 ALIGNMENTS = ("voxel", "brick")  # data.align: crop origins anywhere, or on the store's brick grid

@@ -237,11 +237,13 @@ def code_version() -> str:
     """The package version plus the git commit of the checkout, when there is one."""
     import sfm
 
+    here = Path(__file__).resolve().parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
+        top, _, commit = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short=12", "HEAD"],
+                                        capture_output=True, text=True, cwd=here, timeout=10).stdout.partition("\n")
     except (OSError, subprocess.SubprocessError):
-        commit = ""
+        top, commit = "", ""
+    commit = commit.strip() if top and Path(top) == here.parent else ""  # not another repository a venv sits in
     return f"{sfm.__version__}+g{commit}" if commit else sfm.__version__
 
 

@@ -39,12 +39,15 @@ def _adopt_environment(environ: dict[str, str], worker_id: int) -> None:
     os.environ.update(environ)
 
 
-def port_for(key: str) -> int:
-    """A rendezvous port every node derives alike from a shared key (e.g. the run id).
+# where port_for draws from: below Linux's ephemeral range (32768-60999 by default), so an outgoing connection
+# of this or another process (an S3 client, a data loader) cannot be holding it; the pretrain pods'
+# NetworkPolicy (sfm.ops.network_policy) opens exactly this range between them
+RENDEZVOUS_PORTS = range(20000, 32000)
 
-    Drawn from 20000-31999, below Linux's ephemeral range (32768-60999 by default), so an outgoing
-    connection of this or another process (an S3 client, a data loader) cannot be holding it."""
-    return 20000 + int(hashlib.sha256(key.encode()).hexdigest(), 16) % 12000
+
+def port_for(key: str) -> int:
+    """A rendezvous port every node derives alike from a shared key (e.g. the run id), in RENDEZVOUS_PORTS."""
+    return RENDEZVOUS_PORTS.start + int(hashlib.sha256(key.encode()).hexdigest(), 16) % len(RENDEZVOUS_PORTS)
 
 
 def _port_taken(addr: str, port: int) -> bool:

@@ -1,16 +1,20 @@
-"""Validation against the machine-readable schemas in ``data_contracts/``."""
+"""Validation against the machine-readable schemas in ``data_contracts/``.
+
+They are read from inside the package (``sfm/data_contracts``, through importlib.resources): in a
+checkout that folder links to the top-level ``data_contracts/``, and a built wheel carries the files.
+"""
 
 from __future__ import annotations
 
 import functools
 import json
 from collections.abc import Mapping
-from pathlib import Path
+from importlib import resources
 from typing import Any
 
 from sfm.errors import SFMError
 
-CONTRACTS_DIR = Path(__file__).resolve().parents[2] / "data_contracts"
+CONTRACTS_DIR = resources.files("sfm") / "data_contracts"
 
 
 @functools.cache

@@ -23,6 +23,7 @@ from metaflow.user_decorators.mutable_step import MutableStep
 
 from sfm.config import ClusterConfig, JobConfig
 from sfm.errors import SFMError
+from sfm.ops.network_policy import POD_LABELS
 
 # libfabric + aws-ofi-nccl settings for NCCL over EFA (AWS "Get started with EFA and NCCL"); the
 # image must carry the EFA installer's libfabric and the aws-ofi-nccl plugin (see README).
@@ -80,7 +81,8 @@ def kubernetes_options(config: Any) -> dict[str, Any]:
 
 class kubernetes_placement(StepMutator):
     """On Kubernetes only (the step has ``@kubernetes``, e.g. from ``--with kubernetes``), add
-    :func:`kubernetes_options` to it; what the command line set explicitly wins. Elsewhere a no-op,
+    :func:`kubernetes_options` to it, and the pod labels the pretrain NetworkPolicy selects
+    (:data:`sfm.ops.network_policy.POD_LABELS`); what the command line set explicitly wins. Elsewhere a no-op,
     so local runs and other steps stay where they are."""
 
     def mutate(self, mutable_step: MutableStep) -> None:
@@ -95,6 +97,7 @@ class kubernetes_placement(StepMutator):
                 merged[key] = {**value, **_as_dict(current.get(key))}
             elif not current.get(key):
                 merged[key] = value
+        merged["labels"] = {**POD_LABELS, **_as_dict(current.get("labels"))}  # what `sfm network-policy` selects
         mutable_step.add_decorator("kubernetes", deco_kwargs=merged, duplicates=MutableStep.OVERRIDE)
 
 

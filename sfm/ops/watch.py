@@ -45,6 +45,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,9 @@ from sfm.config import JobConfig, toml_text
 from sfm.errors import SFMError
 
 SEGY_SUFFIXES = (".sgy", ".segy")
-FLOW_FILE = Path(__file__).resolve().parents[2] / "flows" / "pretrain_flow.py"
+# the flow travels inside the package (sfm/flows links to flows/pretrain_flow.py in a checkout, a wheel
+# carries the file), so an installed `sfm watch` runs it too; in a checkout this is flows/pretrain_flow.py
+FLOW_FILE = Path(str(resources.files("sfm") / "flows" / "pretrain_flow.py")).resolve()
 FLOW_NAME = "PretrainFlow"
 DONE = ("trained", "published", "quarantined")
 

@@ -37,6 +37,7 @@ DELETE = ("s3:DeleteObject",)
 # Managed policies hold at most 6,144 characters (whitespace not counted); inline role policies 10,240.
 MANAGED_POLICY_MAX_CHARS = 6144
 
+_VPCE = re.compile(r"^vpce-([0-9a-f]{8}|[0-9a-f]{17})$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 # The watcher's prefixes under the data root (sfm/ops/watch.py writes only there: state_url(), quarantine()).
 WATCH_STATE = "watch"
@@ -141,12 +142,14 @@ _ACTION_WORD = {READ: "Read", WRITE: "Write", DELETE: "Delete"}
 
 def policy(data_root: str, *, landing: list[str] | tuple[str, ...] = (), metaflow_root: str = "",
            components: list[str] | tuple[str, ...] = COMPONENTS, kms_key_arns: list[str] | tuple[str, ...] = (),
-           partition: str = "aws") -> dict:
+           partition: str = "aws", vpce: list[str] | tuple[str, ...] = ()) -> dict:
     """The IAM policy document (a dict ready for ``json.dumps``) for ``components`` on ``data_root``.
 
     ``landing``: where new SEG-Y arrives (default ``<data_root>/landing``); ``metaflow_root``: Metaflow's
     S3 datastore root (adds the "metaflow" component); ``kms_key_arns``: customer-managed KMS keys of
-    SSE-KMS buckets (adds kms:Decrypt and kms:GenerateDataKey on exactly those keys).
+    SSE-KMS buckets (adds kms:Decrypt and kms:GenerateDataKey on exactly those keys); ``vpce``: VPC endpoint
+    ids every S3 grant is limited to (``aws:SourceVpce``), so the role reaches the bucket only from inside
+    the VPC (the KMS grant keeps none: S3 itself calls KMS, not through the endpoint).
     """
     root = S3Location.parse(data_root, "--data-root")
     lands = [S3Location.parse(u, "--landing") for u in landing] or [root.sub("landing")]
@@ -169,6 +172,10 @@ def policy(data_root: str, *, landing: list[str] | tuple[str, ...] = (), metaflo
             statements.append({"Sid": _sid(component, "List", str(n) if len(g.lists) > 1 else ""),
                                "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": [f"{arn}{bucket}"],
                                "Condition": {"StringLike": {"s3:prefix": sorted(prefixes)}}})
+    if vpce:
+        ids = vpce_ids(vpce)
+        for st in statements:
+            st.setdefault("Condition", {})["StringEquals"] = {"aws:SourceVpce": ids}
     if kms_key_arns:
         for key in kms_key_arns:
             if not str(key).startswith(f"arn:{partition}:kms:") or "*" in str(key):
@@ -176,6 +183,15 @@ def policy(data_root: str, *, landing: list[str] | tuple[str, ...] = (), metaflo
         statements.append({"Sid": "SfmKmsForSseKms", "Effect": "Allow",
                            "Action": ["kms:Decrypt", "kms:GenerateDataKey"], "Resource": sorted(set(kms_key_arns))})
     return {"Version": "2012-10-17", "Statement": statements}
+
+
+def vpce_ids(values: list[str] | tuple[str, ...]) -> list[str]:
+    """VPC endpoint ids, checked (``vpce-`` and 8 or 17 hex digits), distinct and sorted."""
+    for value in values:
+        if not _VPCE.match(str(value)):
+            raise SFMError(f"--vpce {value!r} is not a VPC endpoint id; use vpce-0123456789abcdef0 "
+                           "(aws ec2 describe-vpc-endpoints)")
+    return sorted(set(values))
 
 
 def policy_json(document: dict) -> str:
@@ -187,4 +203,4 @@ def minified_size(document: dict) -> int:
     return len(json.dumps(document, separators=(",", ":")))
 
 
-__all__ = ["policy", "policy_json", "minified_size", "COMPONENTS", "S3Location"]
+__all__ = ["policy", "policy_json", "minified_size", "vpce_ids", "COMPONENTS", "S3Location"]

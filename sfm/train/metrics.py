@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from sfm.model.hardware import PeakFlops
 from sfm.train.step import throughput
 
 
@@ -22,13 +23,13 @@ class MetricsLogger:
     against throughput."""
 
     def __init__(self, accelerator, heartbeat, guard, *, max_steps: int, start_step: int, history: list[dict],
-                 samples_per_step: int, voxels_per_sample: int, flops_per_sample: float, peak_flops: float):
+                 samples_per_step: int, voxels_per_sample: int, flops_per_sample: float, peak: PeakFlops):
         from tqdm import tqdm
 
         self.accelerator, self.heartbeat, self.guard = accelerator, heartbeat, guard
         self.history = history
         self.samples_per_step, self.voxels_per_sample = samples_per_step, voxels_per_sample
-        self.flops_per_sample, self.peak_flops = flops_per_sample, peak_flops
+        self.flops_per_sample, self.peak = flops_per_sample, peak
         self.pending: list[torch.Tensor] = []  # mean loss of each step since history was last written
         self.started = time.perf_counter()
         self._window_start, self._window_steps, self._paused = self.started, 0, 0.0
@@ -52,13 +53,15 @@ class MetricsLogger:
         speed = throughput(samples=self._window_steps * self.samples_per_step,
                            seconds=time.perf_counter() - self._window_start - self._paused,
                            flops_per_sample=self.flops_per_sample, voxels_per_sample=self.voxels_per_sample,
-                           peak_flops=self.peak_flops, devices=self.accelerator.num_processes)
+                           peak_flops=self.peak.flops, devices=self.accelerator.num_processes)
+        mfu = self.peak.checked(speed.pop("mfu"))  # None: above the peak, a wrong number not to report
+        speed.update({"mfu": mfu} if mfu is not None else {})
         loss = self.history[-1]["loss"]
         metrics = {"loss": float("nan") if loss is None else loss, "lr": lr, **speed}
         self.history[-1].update({k: v for k, v in metrics.items() if k != "loss"})
         self.accelerator.log(metrics, step=step)
         self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}", sps=f"{speed['samples_per_s']:.1f}",
-                             vox=f"{speed['voxels_per_s'] / 1e6:.1f}M", mfu=f"{speed['mfu']:.1%}")
+                             vox=f"{speed['voxels_per_s'] / 1e6:.1f}M", mfu=f"{mfu:.1%}" if mfu is not None else "-")
         self.heartbeat.beat(step, loss=metrics["loss"], samples_per_s=speed["samples_per_s"],
                             skipped_nonfinite=self.guard.skipped, rollbacks=self.guard.rollbacks)
         self._window_start, self._window_steps, self._paused = time.perf_counter(), 0, 0.0

@@ -45,7 +45,7 @@ from sfm.errors import SFMError
 from sfm.model import build_model, model_config_for, train_flops_per_sample
 from sfm.model import load as load_model
 from sfm.model import save as save_model
-from sfm.model.hardware import peak_flops
+from sfm.model.hardware import PeakFlops
 from sfm.train import checkpoint
 from sfm.train.faults import Faults
 from sfm.train.health import ROLLBACK, SKIP, Heartbeat, NonFiniteGuard, Watchdog, all_ranks_finite
@@ -226,7 +226,7 @@ class Trainer:
             samples_per_step=self.micro_batches * cfg.data.batch_size * layout.dp,  # cp ranks share samples
             voxels_per_sample=math.prod(cfg.data.crop),
             flops_per_sample=train_flops_per_sample(self.mcfg),
-            peak_flops=peak_flops(acc.device, torch.bfloat16 if self.precision == "bf16" else torch.float32))
+            peak=PeakFlops(acc.device, torch.bfloat16 if self.precision == "bf16" else torch.float32))
         if resumed is not None and resumed["rng"] is not None:  # last: measuring the peak above draws numbers
             checkpoint.set_rng_state(resumed["rng"])
 
@@ -320,7 +320,7 @@ class Trainer:
                 world_size=self.world, strategy=self.strategy, dp=layout.dp, cp=layout.cp,
                 initial_loss=finite[0] if finite else None, final_loss=finite[-1] if finite else None,
                 history=history, samples_per_s=speed.get("samples_per_s"), voxels_per_s=speed.get("voxels_per_s"),
-                mfu=speed.get("mfu"), mfu_peak_flops=self.metrics.peak_flops, model_url=final_url,
+                mfu=speed.get("mfu"), mfu_peak_flops=self.metrics.peak.flops, model_url=final_url,
                 seconds=time.perf_counter() - self.metrics.started,
                 flops_per_sample=self.metrics.flops_per_sample,
                 snapshots={str(s): self.snapshot_url(s) for s in sorted(snapshot_steps) if s < cfg.train.max_steps},

@@ -21,8 +21,10 @@ import yaml
 from conftest import FLOW, PROJECT
 from sfm.ops.cluster import EFA_ENV, EFA_RESOURCE, INSTANCE_TYPE_LABEL, kubernetes_options, node_environment, pod_resources
 from sfm.errors import SFMError
+from sfm.ops.network_policy import network_policy
 
 P5EN = PROJECT / "configs" / "hyperpod_p5en.toml"
+IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/sfm:0.1.0"  # what deploy/Dockerfile builds, in ECR
 
 
 def render(s3_server, tmp_path, *args: str) -> dict:
@@ -50,8 +52,11 @@ def jobset_of(template: dict) -> dict:
 
 @pytest.mark.timeout(300)
 def test_pretrain_step_renders_as_multi_node_jobset(s3_server, tmp_path):
-    cluster = tomllib.loads(P5EN.read_text())
-    wt = render(s3_server, tmp_path, "--config", "config", str(P5EN),
+    config = tmp_path / "p5en.toml"  # the example config, with its [cluster] image set
+    config.write_text(P5EN.read_text().replace('image = ""', f'image = "{IMAGE}"', 1))
+    cluster = tomllib.loads(config.read_text())
+    assert cluster["cluster"]["image"] == IMAGE
+    wt = render(s3_server, tmp_path, "--config", "config", str(config),
                 "--with", "kubernetes:node_selector=team=seismic")
     assert wt["kind"] == "WorkflowTemplate"
     templates = {t["name"]: t for t in wt["spec"]["templates"]}
@@ -84,7 +89,7 @@ def test_pretrain_step_renders_as_multi_node_jobset(s3_server, tmp_path):
     for job in jobs.values():
         pod = job["template"]["spec"]["template"]["spec"]
         (container,) = pod["containers"]
-        assert container["image"] == "registry.example/sfm:test"
+        assert container["image"] == IMAGE  # [cluster] image; the other steps keep Metaflow's default image
         limits, requests = container["resources"]["limits"], container["resources"]["requests"]
         assert limits["nvidia.com/gpu"] == "8" == str(resources["gpu"])
         assert limits[EFA_RESOURCE] == requests[EFA_RESOURCE] == "16"
@@ -100,11 +105,17 @@ def test_pretrain_step_renders_as_multi_node_jobset(s3_server, tmp_path):
             assert env[key] == value, key
         assert env["MF_WORLD_SIZE"] == "{{inputs.parameters.num-parallel}}"
         assert "-control-0-0." in env["MF_MASTER_ADDR"]  # every node rendezvouses at the control pod
+        # the NetworkPolicy `sfm network-policy` renders for the namespace selects these pods (issue 46)
+        meta = job["template"]["spec"]["template"]["metadata"]
+        policy = network_policy(meta["namespace"])
+        assert policy["metadata"]["namespace"] == "sfm-train"
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= meta["labels"].items()
 
     # the other steps stay on ordinary nodes: no GPUs, no instance type, no EFA environment
     for name in ("start", "ingest", "launch", "evaluate"):
         t = templates[name]
         assert t["nodeSelector"] == {"team": "seismic"}, name
+        assert t["container"]["image"] == "registry.example/sfm:test", name
         assert "nvidia.com/gpu" not in json.dumps(t["container"]["resources"]), name
         assert not {e["name"] for e in t["container"]["env"]} & set(EFA_ENV), name
 

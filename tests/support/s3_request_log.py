@@ -4,7 +4,9 @@ Every process of a test (the flow's tasks, torchrun workers, the Client API, the
 to S3 through :class:`S3RequestLog` when its endpoint points at the proxy, so the test sees every S3
 call the pipeline really makes. :func:`s3_calls` turns each HTTP request into the IAM authorisation
 checks AWS would make for it (action, resource ARN, ``s3:prefix``), and :func:`allowed` evaluates
-those against a policy's Allow statements the way IAM does for identity policies (no Deny used).
+those against a policy's Allow statements the way IAM does for identity policies; :func:`denied` says
+whether a policy's Deny statements (a bucket policy's) refuse a call, with the request's endpoint, TLS and
+principal in its context.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class Call:
     resource: str
     prefix: str | None = None
     request: Request | None = field(default=None, repr=False)
+    vpce: str | None = None  # aws:SourceVpce: the VPC endpoint the request came through, if any
+    secure: bool = True  # aws:SecureTransport
+    principal: str | None = None  # aws:PrincipalArn
 
     def __str__(self) -> str:
         where = f" prefix={self.prefix!r}" if self.prefix is not None else ""
@@ -194,35 +199,48 @@ def _glob(pattern: str, value: str) -> bool:
     return fnmatch.fnmatchcase(value, pattern.replace("[", "[[]"))
 
 
-def _condition_holds(condition: dict, call: Call) -> bool:
+def _context(call: Call) -> dict[str, str | None]:
+    """The request's values of the condition keys this evaluator knows (None: absent from the request)."""
+    return {"s3:prefix": call.prefix, "aws:SourceVpce": call.vpce, "aws:PrincipalArn": call.principal,
+            "aws:SecureTransport": str(call.secure).lower()}
+
+
+def _condition_holds(condition: dict, call: Call, unknown: bool = False) -> bool:
+    """Every test of ``condition`` holds for ``call``; a key or operator this evaluator does not know counts
+    as ``unknown`` (False for an Allow, fail closed; True for a Deny, which then refuses)."""
+    context = _context(call)
     for operator, tests in condition.items():
         for key, patterns in tests.items():
-            if key != "s3:prefix":
-                return False  # a condition this evaluator does not know: fail closed
-            if call.prefix is None:
-                return False
-            patterns = _as_list(patterns)
-            if operator == "StringLike":
-                if not any(_glob(p, call.prefix) for p in patterns):
-                    return False
-            elif operator == "StringEquals":
-                if call.prefix not in patterns:
-                    return False
+            if key not in context:
+                return unknown
+            value, patterns = context[key], _as_list(patterns)
+            if operator in ("StringLike", "ArnLike"):
+                holds = value is not None and any(_glob(p, value) for p in patterns)
+            elif operator in ("StringEquals", "Bool"):
+                holds = value is not None and value in patterns
+            elif operator in ("StringNotLike", "ArnNotLike"):  # negated: holds when the key is absent
+                holds = value is None or not any(_glob(p, value) for p in patterns)
+            elif operator == "StringNotEquals":
+                holds = value is None or value not in patterns
             else:
+                return unknown
+            if not holds:
                 return False
     return True
 
 
+def _applies(st: dict, call: Call, unknown: bool) -> bool:
+    return (any(_glob(a.lower(), call.action.lower()) for a in _as_list(st["Action"]))
+            and any(_glob(r, call.resource) for r in _as_list(st["Resource"]))
+            and ("Condition" not in st or _condition_holds(st["Condition"], call, unknown)))
+
+
 def allowed(policy: dict, call: Call) -> bool:
     """True if some Allow statement of ``policy`` grants ``call`` (action, resource and conditions)."""
-    for st in policy["Statement"]:
-        if st.get("Effect") != "Allow":
-            continue
-        if not any(_glob(a.lower(), call.action.lower()) for a in _as_list(st["Action"])):
-            continue
-        if not any(_glob(r, call.resource) for r in _as_list(st["Resource"])):
-            continue
-        if "Condition" in st and not _condition_holds(st["Condition"], call):
-            continue
-        return True
-    return False
+    return any(st.get("Effect") == "Allow" and _applies(st, call, unknown=False) for st in policy["Statement"])
+
+
+def denied(policy: dict, call: Call) -> bool:
+    """True if some Deny statement of ``policy`` (for every principal) refuses ``call``."""
+    return any(st.get("Effect") == "Deny" and st.get("Principal") in ("*", {"AWS": "*"}) and _applies(st, call, True)
+               for st in policy["Statement"])

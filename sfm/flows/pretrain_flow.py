@@ -1,0 +1,1 @@
+../../flows/pretrain_flow.py
