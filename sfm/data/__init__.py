@@ -4,7 +4,8 @@
 
 from sfm.data.crops import ALIGNMENTS, AUGMENTATIONS, Crop, CropSampler, brick_tiles
 from sfm.data.loader import BatchStream, CropDataset, training_stream
-from sfm.data.store import CLIENTS, ResilientStore, is_transient, open_survey_store
+from sfm.storage.resilient_store import CLIENTS, ResilientStore, open_survey_store
+from sfm.storage.retry import is_transient
 from sfm.data.survey import CropOrigins, SurveyInfo, read_survey_info
 
 __all__ = ["ALIGNMENTS", "AUGMENTATIONS", "CLIENTS", "BatchStream", "Crop", "CropDataset", "CropOrigins",

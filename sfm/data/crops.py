@@ -32,7 +32,7 @@ from sfm.errors import SFMError
 
 from sfm.data.region_pool import RegionPool, region_bytes
 from sfm.data.regions import Region, RegionPlan, RegionSettings
-from sfm.data.store import open_survey_store, ResilientStore
+from sfm.storage.resilient_store import open_survey_store, ResilientStore
 from sfm.data.survey import SurveyInfo, open_amplitude, read_survey_info
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import numpy as np
 
 from sfm.errors import SFMError
 
-from sfm.data.store import open_survey_store
+from sfm.storage.resilient_store import open_survey_store
 
 log = logging.getLogger(__name__)
 _local = threading.local()
