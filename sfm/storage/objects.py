@@ -264,6 +264,18 @@ def read_head(url: str, nbytes: int) -> tuple[bytes, int]:
         raise SFMError(f"{url} does not exist. Check the path or URL.") from err
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one of another user counts as alive): what decides if a
+    local file a process left (a temporary object, a lock) is still its writer's."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def split_urls(text: str) -> list[str]:
     """The URLs of a ``--surveys`` / ``--held-out`` value: comma-separated, or a JSON list (for names
     that contain commas; :func:`join_urls` writes one when needed)."""
