@@ -55,7 +55,7 @@ PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
 from sfm.ingest.geology import synthesize_volume  # noqa: E402
-from sfm.ingest.synth import write_segy  # noqa: E402
+from sfm.ingest.synth import SegyOptions, write_segy  # noqa: E402
 
 BUCKET = "bench"  # the rclone serve s3 bucket the S3 section reads from
 TILE = (32, 512, 1024)  # inlines x crosslines x samples of one generated tile (64 MiB of float32)
@@ -74,7 +74,7 @@ def generate_segy(path: Path, gigabytes: float, seed: int = 0) -> dict:
     n_tiles = max(1, math.ceil(gigabytes * 1e9 / (ni * nx * trace_bytes)))
     amplitude, _ = synthesize_volume(TILE, seed)
     tile_file = path.with_suffix(".tile.sgy")
-    write_segy(tile_file, amplitude, sample_format=5)
+    write_segy(tile_file, amplitude, SegyOptions(sample_format=5))
     head = tile_file.read_bytes()[:3600]
     record = np.dtype([("header", np.uint8, (240,)), ("data", ">f4", (ns,))])
     tile = np.fromfile(tile_file, dtype=record, offset=3600)

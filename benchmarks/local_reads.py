@@ -51,7 +51,7 @@ def measure(stores: list[str], job, batches: int, preadv: bool) -> tuple[float, 
     """(loader CPU ms, wall ms) per sample over ``batches`` batches after a warm-up."""
     import sfm.data.survey as survey
     from sfm.data.loader import training_stream
-    from sfm.data.store import open_survey_store
+    from sfm.storage.resilient_store import open_survey_store
 
     def opener(*args, **kwargs):
         store = open_survey_store(*args, **kwargs)

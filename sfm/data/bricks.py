@@ -17,7 +17,7 @@ them) are fetched by one ranged GET and decoded from their slices of it. The CPU
 (receive, decode, normalise) is added to :attr:`BrickReader.cpu` for the loader's accounting.
 
 :meth:`BrickReader.for_array` returns None for anything else, and the caller reads through zarr.
-Fetches go through the array's store (so :class:`sfm.data.store.ResilientStore` retries and counts them):
+Fetches go through the array's store (so :class:`sfm.storage.resilient_store.ResilientStore` retries and counts them):
 when the store has a blocking range reader (:mod:`sfm.storage.ranged_get`), each brick of a sharded array
 is read on the calling thread into that thread's reused buffer; otherwise all bricks of a region
 are fetched at once on zarr's event loop.
@@ -188,7 +188,7 @@ class BrickReader:
 
     def _read_bricks(self, coords: list[tuple[int, int, int]]):
         """Yield ``(brick, encoded bytes or None)`` for each brick, each run of back-to-back bricks read
-        by one blocking ranged GET (:meth:`sfm.data.store.ResilientStore.read_range_into`) into this
+        by one blocking ranged GET (:meth:`sfm.storage.resilient_store.ResilientStore.read_range_into`) into this
         thread's reused buffer; valid until the next item."""
         from zarr.core.buffer import default_buffer_prototype
         from zarr.core.sync import sync

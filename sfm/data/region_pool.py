@@ -36,6 +36,7 @@ import numpy as np
 
 from sfm.data.regions import Region
 from sfm.errors import SFMError
+from sfm.storage.objects import process_alive
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +279,7 @@ class RegionPool:
         if time.time() - since > self.wait_seconds:
             log.warning("region pool: %s has been held for over %.0f s; taking it over", lock, self.wait_seconds)
             return True
-        return _process_gone(pid)
+        return not process_alive(pid)
 
 
 def _builder_gone(tmp_name: str, age_seconds: float) -> bool:
@@ -289,18 +290,7 @@ def _builder_gone(tmp_name: str, age_seconds: float) -> bool:
         pid = int(tmp_name.split(".")[-3])
     except (IndexError, ValueError):
         return age_seconds > 600  # not named by a builder of this pool version
-    return _process_gone(pid)
-
-
-def _process_gone(pid: int) -> bool:
-    """True when no process ``pid`` exists on this node (one of another user counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return not process_alive(pid)
 
 
 def _touch(path: Path) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 from sfm.errors import SFMError
 
 from sfm.data.bricks import BrickReader
-from sfm.data.store import ResilientStore, open_survey_store
+from sfm.storage.resilient_store import ResilientStore, open_survey_store
 
 log = logging.getLogger(__name__)
 _local = threading.local()
@@ -205,7 +205,7 @@ class Surveys:
     Args:
         store_urls: survey stores (local paths or s3:// URLs).
         data: the checked ``JobConfig.data``: its ``crop``, ``client`` and ``retry_seconds``
-            (:func:`sfm.data.store.open_survey_store`), and ``batch_dtype`` (int8 batches need int8 stores).
+            (:func:`sfm.storage.resilient_store.open_survey_store`), and ``batch_dtype`` (int8 batches need int8 stores).
         brick_reader: read through :mod:`sfm.data.bricks` where the store layout allows (a third less CPU than
             zarr's read path); False: always through zarr.
     """

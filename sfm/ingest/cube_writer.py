@@ -1,5 +1,11 @@
 """Streaming a SEG-Y file's traces into a new survey store: the amplitude bricks, the trace mask and
-the statistics, one column of bricks at a time on all cores, in bounded memory."""
+the statistics, one column of bricks at a time on all cores, in bounded memory.
+
+    group, store = prepare_store(store_url, layout, geometry, headers, cfg)  # arrays and small arrays sent
+    moments = write_columns(group, store, layout, columns, units, cfg, progress)  # any subset of the units
+    stats = finish_store(group, store, moments, attrs)  # statistics merged, root zarr.json written, last
+
+:mod:`sfm.ingest.parts` runs these steps, in one task or many."""
 
 from __future__ import annotations
 
@@ -33,8 +39,9 @@ from sfm.ingest.options import (AMPLITUDE_CODEC, FLOAT16_MAX, INT8_MAX, PERCENTI
 
 
 @dataclass
-class _Plan:
-    """Shapes of the store and of the work units."""
+class StorePlan:
+    """The survey store's amplitude cube: its shapes and those of the work units (brick columns), its codec
+    and, for float16 and int8, the transform from stored values to amplitudes."""
 
     shape: tuple[int, int, int]
     bricks: tuple[int, int, int]
@@ -51,7 +58,7 @@ class _Plan:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "_Plan":
+    def from_dict(cls, d: dict[str, Any]) -> "StorePlan":
         return cls(**{**d, "shape": tuple(d["shape"]), "bricks": tuple(d["bricks"]), "shards": tuple(d["shards"])})
 
     @property
@@ -68,18 +75,18 @@ class _Plan:
                 for i in range(0, n_il, b_il) for j in range(0, n_xl, b_xl)]
 
 
-def _plan(layout: SegyLayout, geometry: SurveyGeometry, opts: IngestConfig) -> _Plan:
+def _plan(layout: SegyLayout, geometry: SurveyGeometry, opts: IngestConfig) -> StorePlan:
     n_il, n_xl = geometry.shape
     ns = layout.samples
     c = int(opts.chunk)
     bricks = (min(c, n_il), min(c, n_xl), min(c, ns))
     brick_bytes = math.prod(bricks) * np.dtype(opts.dtype).itemsize
     per_shard = max(1, min(-(-ns // bricks[2]), SHARD_BYTES // brick_bytes))
-    return _Plan((n_il, n_xl, ns), bricks, (bricks[0], bricks[1], bricks[2] * per_shard), opts.dtype,
-                 codec_spec(opts.codec), layout=opts.layout, domain=opts.domain)
+    return StorePlan((n_il, n_xl, ns), bricks, (bricks[0], bricks[1], bricks[2] * per_shard), opts.dtype,
+                     codec_spec(opts.codec), layout=opts.layout, domain=opts.domain)
 
 
-def _fix_transform(plan: _Plan, reader: TraceReader, n_traces: int) -> None:
+def _fix_transform(plan: StorePlan, reader: TraceReader, n_traces: int) -> None:
     """Fix the float16 or int8 transform from the finite samples of evenly spaced traces, read before
     the main pass."""
     picks = np.unique(np.linspace(0, n_traces - 1, min(n_traces, TRANSFORM_TRACES)).astype(np.int64))
@@ -88,7 +95,7 @@ def _fix_transform(plan: _Plan, reader: TraceReader, n_traces: int) -> None:
     (_quantise if plan.dtype == "int8" else _standardise)(plan, values)
 
 
-def _standardise(plan: _Plan, values: np.ndarray) -> None:
+def _standardise(plan: StorePlan, values: np.ndarray) -> None:
     """float16: stored = (amplitude - offset) / std of ``values`` [N] float32, offset near the mean."""
     values = values.astype(np.float64)
     mean = float(values.mean()) if values.size else 0.0
@@ -98,7 +105,7 @@ def _standardise(plan: _Plan, values: np.ndarray) -> None:
     plan.scale, plan.hole, plan.offset = scale, float(hole), -float(hole) * scale
 
 
-def _quantise(plan: _Plan, values: np.ndarray) -> None:
+def _quantise(plan: StorePlan, values: np.ndarray) -> None:
     """int8: 254 steps across the 0.1 to 99.9 percentiles of ``values`` [N] float32 (the range the loader
     clips amplitudes to; defined as in the statistics), widened to take in 0 where it does not, so that
     a hole has an integer: ``hole = round(-centre / scale)``, and ``offset = -hole * scale`` makes it
@@ -110,7 +117,7 @@ def _quantise(plan: _Plan, values: np.ndarray) -> None:
     plan.scale, plan.hole, plan.offset = scale, float(hole), -hole * scale + 0.0  # + 0.0: never -0.0
 
 
-def _transform_attrs(plan: _Plan) -> dict[str, Any]:
+def _transform_attrs(plan: StorePlan) -> dict[str, Any]:
     """``attrs["amplitude_transform"]``: how the stored values of a float16 or int8 store decode."""
     transform = {"offset": plan.offset, "scale": plan.scale, "decode": "amplitude = stored * scale + offset"}
     if plan.dtype == "float16":
@@ -122,7 +129,7 @@ def _transform_attrs(plan: _Plan) -> dict[str, Any]:
             "saturation": "amplitudes beyond clip (about the 0.1 and 99.9 percentiles) are stored as its ends"}
 
 
-def _create_arrays(group: GroupWriter, plan: _Plan, geometry: SurveyGeometry, layout: SegyLayout,
+def _create_arrays(group: GroupWriter, plan: StorePlan, geometry: SurveyGeometry, layout: SegyLayout,
                    headers: dict) -> None:
     """The store's arrays: ``amplitude`` (metadata only; its shards come later) and the small ones."""
     from zarr.codecs import BloscCodec
@@ -163,17 +170,8 @@ def _create_arrays(group: GroupWriter, plan: _Plan, geometry: SurveyGeometry, la
     group.put(layout_of=["amplitude"])
 
 
-def write_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, headers: dict,
-                 attrs: dict[str, Any], opts: IngestConfig, progress: bool) -> dict[str, Any]:
-    """Write the Zarr v3 group and return the statistics (computed while the traces stream through)."""
-    group, plan = prepare_store(store_url, layout, geometry, headers, opts)
-    columns = Columns(geometry.cell_traces(), 0, geometry.inlines, geometry.crosslines)
-    moments = write_columns(group, plan, layout, columns, plan.units, opts, progress)
-    return finish_store(group, plan, moments, attrs)
-
-
 def prepare_store(store_url: str, layout: SegyLayout, geometry: SurveyGeometry, headers: dict,
-                  opts: IngestConfig) -> tuple[GroupWriter, "_Plan"]:
+                  opts: IngestConfig) -> tuple[GroupWriter, StorePlan]:
     """Create the group's arrays and send their metadata and small arrays (not yet the root ``zarr.json``);
     the float16 / int8 transform is fixed first, from evenly spaced traces."""
     plan = _plan(layout, geometry, opts)
@@ -201,7 +199,7 @@ class Columns:
         return int(self.inlines[self.il_origin + i]), int(self.crosslines[j])
 
 
-def write_columns(group: GroupWriter, plan: "_Plan", layout: SegyLayout, columns: Columns,
+def write_columns(group: GroupWriter, plan: StorePlan, layout: SegyLayout, columns: Columns,
                   units: list[tuple[int, int, int, int]], opts: IngestConfig, progress: bool) -> list[Moments]:
     """Read, encode and write the shards of brick columns ``units`` [(il0, il1, xl0, xl1)] (all inside
     ``columns``) on all cores; returns the statistics of each unit, in the order of ``units``.
@@ -273,7 +271,7 @@ def write_columns(group: GroupWriter, plan: "_Plan", layout: SegyLayout, columns
     return done
 
 
-def finish_store(group: GroupWriter, plan: "_Plan", moments: list[Moments], attrs: dict[str, Any]) -> dict[str, Any]:
+def finish_store(group: GroupWriter, plan: StorePlan, moments: list[Moments], attrs: dict[str, Any]) -> dict[str, Any]:
     """Merge the units' statistics in the order given (the store's unit order: the same bytes however
     the units were split between tasks), complete ``attrs`` and write the root ``zarr.json``, last.
     Returns the statistics."""
@@ -364,7 +362,7 @@ def _read_unit(reader: TraceReader, cells: np.ndarray, column: np.ndarray, block
     return moments
 
 
-def _encode(column: np.ndarray, live: np.ndarray, plan: _Plan, buffers) -> np.ndarray:
+def _encode(column: np.ndarray, live: np.ndarray, plan: StorePlan, buffers) -> np.ndarray:
     """The stored values of brick column ``column`` [K, A, B, D] (filled by :func:`_read_unit` for the
     cells ``live`` [a, b]): itself (float32), or ``(column - offset) / scale`` as float16 or rounded to
     int8, saturating at the stored dtype's limit, with the hole value wherever no trace is."""

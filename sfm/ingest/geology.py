@@ -10,6 +10,8 @@ lies within one voxel of a plane, in the coordinates the fault was created in.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 SAMPLE_INTERVAL_US = 4000
@@ -113,33 +115,46 @@ class Folding:
         return (np.float32(0.5) + t * np.float32(1.0 / self.ns)) * bumps + e0 + f * i + g * j
 
 
+@dataclass
 class Fault:
-    """A planar fault through (il0, xl0, t0) dipping ``dip`` degrees towards azimuth ``strike``.
+    """A planar fault through ``centre`` = (il0, xl0, t0) dipping ``dip_deg`` degrees towards azimuth ``strike``
+    (radians).
 
     The plane is ``t = t0 + tan(dip) * h`` with ``h = (il - il0) cos(strike) + (xl - xl0) sin(strike)``;
     voxels are cubes. The hanging wall (the block above the plane) slid along the dip direction by
     ``throw(s, v) = max_throw * exp(-s^2 / 2 sigma_s^2 - v^2 / 2 sigma_v^2)``, with ``s`` the distance along
-    strike and ``v`` down the dip from the centre: down for a normal fault, up for a reverse one.
+    strike and ``v`` down the dip from the centre, ``throw`` = (max_throw, sigma_s, sigma_v): down for a
+    normal fault, up for a ``reverse`` one.
     """
 
-    def __init__(self, il0, xl0, t0, strike, dip_deg, max_throw, sigma_strike, sigma_dip, reverse):
-        self.il0, self.xl0, self.t0 = il0, xl0, t0
-        self.cos_s, self.sin_s = np.float32(np.cos(strike)), np.float32(np.sin(strike))
-        dip = np.deg2rad(dip_deg)
+    centre: tuple[float, float, float]  # (il0, xl0, t0) in voxels
+    strike: float
+    dip_deg: float
+    throw: tuple[float, float, float]  # (max_throw in samples, sigma_s and sigma_v in voxels)
+    reverse: bool
+
+    def __post_init__(self) -> None:
+        self.cos_s, self.sin_s = np.float32(np.cos(self.strike)), np.float32(np.sin(self.strike))
+        dip = np.deg2rad(self.dip_deg)
         self.cos_d, self.sin_d, self.tan_d = np.float32(np.cos(dip)), np.float32(np.sin(dip)), np.float32(np.tan(dip))
-        self.max_throw, self.sigma_strike, self.sigma_dip = max_throw, sigma_strike, sigma_dip
-        self.reverse = bool(reverse)
+        self.reverse = bool(self.reverse)
+
+    @property
+    def max_throw(self) -> float:
+        return self.throw[0]
 
     def undo(self, i: np.ndarray, j: np.ndarray, t: np.ndarray) -> np.ndarray:
         """Move the hanging wall's voxels (i, j, t) [...] back to before the slip, in place; return
         uint8 [...] labels: 1 within one voxel of the plane where the throw is at least one sample."""
-        di, dj = i - np.float32(self.il0), j - np.float32(self.xl0)
+        il0, xl0, t0 = self.centre
+        max_throw, sigma_strike, sigma_dip = self.throw
+        di, dj = i - np.float32(il0), j - np.float32(xl0)
         h = di * self.cos_s + dj * self.sin_s
-        above = t - (np.float32(self.t0) + self.tan_d * h)  # < 0 in the hanging wall
+        above = t - (np.float32(t0) + self.tan_d * h)  # < 0 in the hanging wall
         s = dj * self.cos_s - di * self.sin_s
         v = h / self.cos_d  # down-dip distance along the plane from its centre
-        throw = np.float32(self.max_throw) * np.exp(s * s * np.float32(-0.5 / self.sigma_strike**2)
-                                                    + v * v * np.float32(-0.5 / self.sigma_dip**2))
+        throw = np.float32(max_throw) * np.exp(s * s * np.float32(-0.5 / sigma_strike**2)
+                                               + v * v * np.float32(-0.5 / sigma_dip**2))
         labels = ((np.abs(above) * self.cos_d < 1.0) & (throw >= 1.0)).astype(np.uint8)
         slip = np.where(above < 0, throw, np.float32(0.0)) * np.float32(-1.0 if self.reverse else 1.0)
         # a normal fault moved the hanging wall down the dip: its voxels came from up-dip
@@ -162,10 +177,11 @@ def random_faults(rng: np.random.Generator, ni: int, nx: int, ns: int) -> list[F
     faults = []
     for _ in range(max(1, int(density * ni * nx / FAULT_AREA))):
         faults.append(Fault(
-            il0=rng.uniform(0.1, 0.9) * (ni - 1), xl0=rng.uniform(0.1, 0.9) * (nx - 1),
-            t0=rng.uniform(0.1, 0.9) * (ns - 1), strike=rng.uniform(0, 2 * np.pi), dip_deg=rng.uniform(60.0, 85.0),
-            max_throw=rng.uniform(3.0, 12.0), sigma_strike=rng.uniform(0.4, 1.2) * size,
-            sigma_dip=rng.uniform(0.4, 1.2) * size, reverse=rng.random() < 0.35,
+            centre=(rng.uniform(0.1, 0.9) * (ni - 1), rng.uniform(0.1, 0.9) * (nx - 1),
+                    rng.uniform(0.1, 0.9) * (ns - 1)),
+            strike=rng.uniform(0, 2 * np.pi), dip_deg=rng.uniform(60.0, 85.0),
+            throw=(rng.uniform(3.0, 12.0), rng.uniform(0.4, 1.2) * size, rng.uniform(0.4, 1.2) * size),
+            reverse=rng.random() < 0.35,
         ))
     return faults
 

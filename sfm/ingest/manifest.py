@@ -1,4 +1,5 @@
-"""The manifest: the table of published surveys under ``<data-root>/manifest/``.
+"""The manifest: the table of published surveys under ``<data-root>/manifest/``, and where each survey's
+store lives (``<data-root>/surveys/<survey_id>.zarr``, :func:`survey_store_url`).
 
 Each published survey is one immutable parquet row object, ``manifest/rows/<survey_id>.parquet``,
 written in a single atomic PUT *after* its store is complete. A survey without a row is invisible,
@@ -9,6 +10,7 @@ set of surveys always has the same version (used in model lineage).
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import io
 import json
@@ -19,6 +21,19 @@ from sfm.ingest.contracts import validate
 
 COLUMNS = ["survey_id", "name", "source_url", "store_url", "shape", "live_traces", "checksum",
            "sample_format", "sample_interval_us", "sample_start_ms", "dtype", "ingested_at", "stats_json"]
+
+
+def survey_store_url(data_root: str, survey_id: str) -> str:
+    """Where a survey's store lives: ``<data_root>/surveys/<survey_id>.zarr``."""
+    return storage.join(data_root, "surveys", f"{survey_id}.zarr")
+
+
+def make_row(attrs: dict[str, Any], store_url: str, stats: dict[str, Any]) -> dict[str, Any]:
+    """A survey's row (data_contracts/manifest_row.schema.json) from its store's root attributes; ``ingested_at``
+    is now."""
+    made = {"store_url": store_url, "ingested_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "stats_json": json.dumps(stats, sort_keys=True)}
+    return {k: made[k] if k in made else attrs[k] for k in COLUMNS}
 
 
 def rows_url(data_root: str) -> str:
@@ -43,6 +58,14 @@ def publish(data_root: str, row: dict[str, Any]) -> bool:
     buf = io.BytesIO()
     pq.write_table(table, buf)
     return storage.write_bytes_if_absent(row_url(data_root, row["survey_id"]), buf.getvalue())
+
+
+def publish_or_get(data_root: str, row: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """:func:`publish` ``row``: (``row``, True), or (the row published first, False) when the same content was
+    published meanwhile."""
+    if publish(data_root, row):
+        return row, True
+    return get_row(data_root, row["survey_id"]), False
 
 
 def get_row(data_root: str, survey_id: str) -> dict[str, Any] | None:

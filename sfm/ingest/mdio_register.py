@@ -80,19 +80,15 @@ def publish_reference(data_root: str, attrs: dict[str, Any], mask: np.ndarray, c
                       ) -> dict[str, Any]:
     """Write the reference group and publish its manifest row (last); the row with ``status``
     ("registered", or "exists" when the same content was published meanwhile)."""
-    from sfm.ingest.survey import manifest_row, survey_store_url
-
-    store_url = survey_store_url(data_root, attrs["survey_id"])
+    store_url = manifest.survey_store_url(data_root, attrs["survey_id"])
     try:
         write_reference(store_url, attrs, mask, coords)
     except BaseException:
         if manifest.get_row(data_root, attrs["survey_id"]) is None:
             storage.remove(store_url)
         raise
-    row = manifest_row(attrs, store_url, attrs["stats"])
-    if not manifest.publish(data_root, row):
-        return {**manifest.get_row(data_root, attrs["survey_id"]), "status": "exists"}
-    return {**row, "status": "registered"}
+    row, published = manifest.publish_or_get(data_root, manifest.make_row(attrs, store_url, attrs["stats"]))
+    return {**row, "status": "registered" if published else "exists"}
 
 
 def register_mdio(url: str, data_root: str, cfg: IngestConfig | None = None) -> dict[str, Any]:

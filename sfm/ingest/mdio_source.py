@@ -10,7 +10,7 @@ NaN where no trace was; ``trace_mask`` [inline, crossline] says which traces exi
     stats = statistics(src, budget)   # recomputed from the data (MDIO's statsV1 is not trusted)
 
 :mod:`sfm.ingest.mdio_register` turns these into a reference group and a manifest row. Nothing here
-imports ``multidimio``; every read goes through :func:`sfm.data.store.open_survey_store`.
+imports ``multidimio``; every read goes through :func:`sfm.storage.resilient_store.open_survey_store`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class MdioSource:
     """One checked MDIO store: where it is, its amplitude array (open) and what sfm records of it."""
 
     url: str
-    store: Any  # sfm.data.store.ResilientStore (counts the bytes read)
+    store: Any  # sfm.storage.resilient_store.ResilientStore (counts the bytes read)
     amp: Any  # zarr.Array of the default variable
     variable: str
     sample_axis: str  # time | depth
@@ -98,7 +98,7 @@ def inspect(url: str, client: str = "auto") -> MdioSource:
     anything sfm cannot train on as it is. Reads the metadata, ``trace_mask`` and the coordinates only."""
     import zarr
 
-    from sfm.data.store import open_survey_store
+    from sfm.storage.resilient_store import open_survey_store
 
     url = storage.normalize(url).rstrip("/")
     store = open_survey_store(url, client)

@@ -98,6 +98,11 @@ class SegyLayout:
         return SAMPLE_FORMATS[self.sample_format][0]
 
     @property
+    def size(self) -> int:
+        """Bytes of the file: the layout accounts for every byte (a file that it does not is refused)."""
+        return int(self.data_offset + self.n_traces * self.trace_bytes)
+
+    @property
     def name(self) -> str:
         return os.path.basename(str(self.path).rstrip("/"))
 

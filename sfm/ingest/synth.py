@@ -4,7 +4,8 @@ The volume and its fault labels come from :func:`sfm.ingest.geology.synthesize_v
 forward model).
 
 :func:`write_segy` writes any ``[IL, XL, NS]`` volume with segyio in formats 1, 3, 5 or 8, either
-endianness, either trace sorting and in/crossline numbers at any 4-byte trace header position;
+endianness, either trace sorting and in/crossline numbers at any 4-byte trace header position
+(:class:`SegyOptions`);
 :func:`synth_survey` does both and puts the fault labels beside the SEG-Y file.
 """
 
@@ -15,6 +16,7 @@ import logging
 import os
 import secrets
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -66,29 +68,63 @@ TRACE_HEADER_BYTES = 240
 # SEG-Y
 
 
-def write_segy(
-    path,
-    amplitude: np.ndarray,
-    *,
-    sample_format: int = 5,
-    endian: str = "big",
-    iline_byte: int = 189,
-    xline_byte: int = 193,
-    sorting: str = "inline",
-    first_inline: int = 100,
-    first_crossline: int = 300,
-    sample_interval_us: int = SAMPLE_INTERVAL_US,
-    text: Sequence[str] = (),
-) -> None:
-    """Write ``amplitude`` [IL, XL, NS] as a post-stack 3D SEG-Y file at ``path``.
+@dataclass(frozen=True)
+class SegyOptions:
+    """How :func:`write_segy` lays a survey out: the sample format code (1, 3, 5 or 8), the byte order, the
+    1-based first bytes of the 4-byte signed inline and crossline numbers in each trace header (any position
+    1..237 clear of the fields readers need), the trace order (inline: crossline numbers fastest), the first
+    line numbers and the sample interval."""
+
+    sample_format: int = 5
+    endian: str = "big"
+    iline_byte: int = 189
+    xline_byte: int = 193
+    sorting: str = "inline"
+    first_inline: int = 100
+    first_crossline: int = 300
+    sample_interval_us: int = SAMPLE_INTERVAL_US
+
+    def check(self) -> None:
+        """Raise :class:`SFMError` naming the option and the fix if the layout is not writable."""
+        if self.sample_format not in SAMPLE_FORMATS:
+            raise SFMError(f"--format {self.sample_format} is not supported; use 1 (IBM float), 3 (int16), "
+                           "5 (IEEE float) or 8 (int8)")
+        if self.endian not in ENDIANS:
+            raise SFMError(f"--endian {self.endian!r} is not a byte order; use 'big' or 'little'")
+        if self.sorting not in SORTINGS:
+            raise SFMError(f"--sorting {self.sorting!r} is not a trace sorting; use 'inline' or 'crossline'")
+
+        spans = {}
+        for option, byte in (("--iline-byte", self.iline_byte), ("--xline-byte", self.xline_byte)):
+            if isinstance(byte, bool) or not isinstance(byte, (int, np.integer)) or not 1 <= byte <= 237:
+                raise SFMError(
+                    f"{option} {byte} is outside the 240-byte trace header; "
+                    "give the 1-based first byte of a 4-byte field, from 1 to 237"
+                )
+            spans[option] = set(range(byte, byte + 4))
+            for name, (start, width) in PROTECTED_FIELDS.items():
+                if spans[option] & set(range(start, start + width)):
+                    raise SFMError(
+                        f"{option} {byte} overlaps the {name} field (bytes {start}-{start + width - 1}); "
+                        "choose a 4-byte position clear of bytes 37-40, 71-72, 115-118 and 181-188"
+                    )
+        if spans["--iline-byte"] & spans["--xline-byte"]:
+            raise SFMError(
+                f"--iline-byte {self.iline_byte} and --xline-byte {self.xline_byte} overlap; "
+                "give two different 4-byte positions at least 4 bytes apart"
+            )
+
+
+def write_segy(path, amplitude: np.ndarray, options: SegyOptions = SegyOptions(), text: Sequence[str] = ()) -> None:
+    """Write ``amplitude`` [IL, XL, NS] as a post-stack 3D SEG-Y file at ``path``, laid out as ``options`` say.
 
     Traces go in inline order (crossline numbers fastest) or crossline order (inline numbers
-    fastest), as ``sorting`` says. Each trace header holds the inline and crossline number as
-    4-byte signed integers at ``iline_byte`` / ``xline_byte`` (1-based, any position 1..237),
-    the CDP coordinates of a rotated 25 m grid at bytes 181/185 with scalar -100 at byte 71, the
-    trace sequence number (byte 1), CDP bin number (21), offset 0 (37), sample count and interval.
-    The integer formats 3 and 8 are scaled so the largest absolute amplitude is 0.9 of the type's
-    range; the textual header (EBCDIC) states the factor. ``text`` adds lines to that header.
+    fastest), as ``options.sorting`` says. Each trace header holds the inline and crossline number as
+    4-byte signed integers at ``options.iline_byte`` / ``options.xline_byte``, the CDP coordinates of a
+    rotated 25 m grid at bytes 181/185 with scalar -100 at byte 71, the trace sequence number (byte 1),
+    CDP bin number (21), offset 0 (37), sample count and interval. The integer formats 3 and 8 are scaled
+    so the largest absolute amplitude is 0.9 of the type's range; the textual header (EBCDIC) states the
+    factor. ``text`` adds lines to that header.
 
     Plain ``segyio.open(path, iline=B, xline=B)`` reads the result when B starts a 4-byte field
     segyio knows (1-25, 41-65 and 73-85 in steps of 4, 189, 193, 197, 205, 219, 225, 233, 237).
@@ -98,41 +134,38 @@ def write_segy(
     amplitude = np.asarray(amplitude)
     if amplitude.ndim != 3 or min(amplitude.shape) < 1:
         raise ValueError(f"amplitude must be [IL, XL, NS] with every axis >= 1, got shape {amplitude.shape}")
-    check_layout(sample_format, endian, iline_byte, xline_byte, sorting)
+    options.check()
     ni, nx, ns = amplitude.shape
     if ns > 32767:
         raise SFMError(f"NS {ns} does not fit the 2-byte SEG-Y sample count; use --shape with NS <= 32767")
 
     import segyio
 
-    traces, scale = encode_samples(amplitude, sample_format)
-    if sorting == "crossline":
+    traces, scale = encode_samples(amplitude, options.sample_format)
+    if options.sorting == "crossline":
         traces = traces.transpose(1, 0, 2)
     # Our own copy: for format 1 segyio converts each trace to IBM and back in place, rounding it.
     traces = np.array(traces.reshape(-1, ns), order="C", copy=True)
 
-    inlines = first_inline + np.arange(ni)
-    crosslines = first_crossline + np.arange(nx)
     spec = segyio.spec()
-    spec.iline, spec.xline = iline_byte, xline_byte
-    spec.format = sample_format
-    spec.endian = endian
+    spec.iline, spec.xline = options.iline_byte, options.xline_byte
+    spec.format = options.sample_format
+    spec.endian = options.endian
     spec.sorting = {
         "inline": segyio.TraceSortingFormat.INLINE_SORTING,
         "crossline": segyio.TraceSortingFormat.CROSSLINE_SORTING,
-    }[sorting]
-    spec.samples = np.arange(ns) * (sample_interval_us / 1000.0)
-    spec.ilines, spec.xlines, spec.offsets = inlines, crosslines, [0]
-
-    header_text = _text_header(text, inlines, crosslines, ns, sample_interval_us, sample_format, endian, sorting,
-                               iline_byte, xline_byte, scale)
+    }[options.sorting]
+    spec.samples = np.arange(ns) * (options.sample_interval_us / 1000.0)
+    spec.ilines = options.first_inline + np.arange(ni)
+    spec.xlines = options.first_crossline + np.arange(nx)
+    spec.offsets = [0]
 
     with segyio.create(str(path), spec) as f:
-        f.text[0] = header_text
+        f.text[0] = _text_header(options, amplitude.shape, scale, text)
         f.bin.update(
             {
-                segyio.BinField.Interval: sample_interval_us,
-                segyio.BinField.IntervalOriginal: sample_interval_us,
+                segyio.BinField.Interval: options.sample_interval_us,
+                segyio.BinField.IntervalOriginal: options.sample_interval_us,
                 segyio.BinField.MeasurementSystem: 1,  # metres
                 segyio.BinField.SortingCode: 4,  # horizontally stacked
             }
@@ -140,27 +173,24 @@ def write_segy(
         for k in range(len(traces)):
             f.trace[k] = traces[k]
 
-    fields = trace_headers(
-        ni, nx, ns, sorting=sorting, iline_byte=iline_byte, xline_byte=xline_byte,
-        first_inline=first_inline, first_crossline=first_crossline, sample_interval_us=sample_interval_us,
-    )
-    write_trace_headers(path, fields, ns=ns, sample_format=sample_format, endian=endian)
+    write_trace_headers(path, trace_headers(amplitude.shape, options), ns=ns, sample_format=options.sample_format,
+                        endian=options.endian)
 
 
-def _text_header(text: Sequence[str], inlines: np.ndarray, crosslines: np.ndarray, ns: int, sample_interval_us: int,
-                 sample_format: int, endian: str, sorting: str, iline_byte: int, xline_byte: int,
-                 scale: float | None) -> str:
-    """The EBCDIC textual header's 40 lines: what the file is and how it is laid out."""
+def _text_header(options: SegyOptions, shape: tuple[int, int, int], scale: float | None, text: Sequence[str]) -> str:
+    """The EBCDIC textual header's 40 lines: what the file of ``shape`` (IL, XL, NS) is and how it is laid out."""
     import segyio
 
-    ni, nx = len(inlines), len(crosslines)
+    ni, nx, ns = shape
+    o = options
     lines = [
         "SYNTHETIC POST-STACK SEISMIC, NOT REAL DATA. WRITTEN BY SFM.SYNTH",
         *text,
-        f"INLINES {inlines[0]}-{inlines[-1]} ({ni})  CROSSLINES {crosslines[0]}-{crosslines[-1]} ({nx})",
-        f"SAMPLES {ns} AT {sample_interval_us} US  FORMAT {sample_format}  {endian.upper()} ENDIAN",
-        f"SORTING {sorting.upper()}",
-        f"INLINE BYTE {iline_byte}  CROSSLINE BYTE {xline_byte}  (4-BYTE SIGNED INTEGERS)",
+        f"INLINES {o.first_inline}-{o.first_inline + ni - 1} ({ni})  "
+        f"CROSSLINES {o.first_crossline}-{o.first_crossline + nx - 1} ({nx})",
+        f"SAMPLES {ns} AT {o.sample_interval_us} US  FORMAT {o.sample_format}  {o.endian.upper()} ENDIAN",
+        f"SORTING {o.sorting.upper()}",
+        f"INLINE BYTE {o.iline_byte}  CROSSLINE BYTE {o.xline_byte}  (4-BYTE SIGNED INTEGERS)",
         f"CDP_X BYTE {CDP_X[0]}  CDP_Y BYTE {CDP_Y[0]}  SCALAR BYTE {SCALCO[0]} = {COORDINATE_SCALAR}",
         f"GRID ORIGIN X {GRID_ORIGIN_M[0]:.2f} Y {GRID_ORIGIN_M[1]:.2f} M, BIN {GRID_BIN_M:g} M, "
         f"ROTATION {GRID_ROTATION_DEG:g} DEG",
@@ -186,25 +216,16 @@ def encode_samples(amplitude: np.ndarray, sample_format: int) -> tuple[np.ndarra
     return np.rint(amplitude * scale).astype(dtype), scale
 
 
-def trace_headers(
-    ni: int,
-    nx: int,
-    ns: int,
-    *,
-    sorting: str,
-    iline_byte: int,
-    xline_byte: int,
-    first_inline: int,
-    first_crossline: int,
-    sample_interval_us: int,
-) -> dict[tuple[int, int], np.ndarray]:
-    """Trace header values in file order: {(1-based byte, width in bytes): int64 [IL * XL]}.
+def trace_headers(shape: tuple[int, int, int], options: SegyOptions) -> dict[tuple[int, int], np.ndarray]:
+    """Trace header values in file order of a survey of ``shape`` (IL, XL, NS) laid out as ``options`` say:
+    {(1-based byte, width in bytes): int64 [IL * XL]}.
 
     The in/crossline numbers come last, so when they share bytes with the trace sequence or CDP
     number (e.g. ``--iline-byte 21``), writing the fields in order leaves the line numbers there.
     """
+    ni, nx, ns = shape
     i, j = np.meshgrid(np.arange(ni), np.arange(nx), indexing="ij")  # [IL, XL] grid indices
-    if sorting == "crossline":
+    if options.sorting == "crossline":
         i, j = i.T, j.T
     i, j = i.ravel(), j.ravel()
 
@@ -218,14 +239,14 @@ def trace_headers(
         OFFSET: np.zeros(n, dtype=np.int64),
         SCALCO: np.full(n, COORDINATE_SCALAR),
         TRACE_SAMPLE_COUNT: np.full(n, ns),
-        TRACE_SAMPLE_INTERVAL: np.full(n, sample_interval_us),
+        TRACE_SAMPLE_INTERVAL: np.full(n, options.sample_interval_us),
         CDP_X: np.rint(x * -COORDINATE_SCALAR).astype(np.int64),
         CDP_Y: np.rint(y * -COORDINATE_SCALAR).astype(np.int64),
     }
-    fields.pop((iline_byte, 4), None)  # re-insert at the end so the line numbers win
-    fields.pop((xline_byte, 4), None)
-    fields[(iline_byte, 4)] = first_inline + i
-    fields[(xline_byte, 4)] = first_crossline + j
+    fields.pop((options.iline_byte, 4), None)  # re-insert at the end so the line numbers win
+    fields.pop((options.xline_byte, 4), None)
+    fields[(options.iline_byte, 4)] = options.first_inline + i
+    fields[(options.xline_byte, 4)] = options.first_crossline + j
     return fields
 
 
@@ -247,38 +268,6 @@ def write_trace_headers(path, fields: dict, *, ns: int, sample_format: int, endi
         mm.flush()
     finally:
         del mm
-
-
-def check_layout(sample_format: int, endian: str, iline_byte: int, xline_byte: int, sorting: str) -> None:
-    """Raise :class:`SFMError` naming the option and the fix if the SEG-Y layout is not writable."""
-    if sample_format not in SAMPLE_FORMATS:
-        raise SFMError(
-            f"--format {sample_format} is not supported; use 1 (IBM float), 3 (int16), 5 (IEEE float) or 8 (int8)"
-        )
-    if endian not in ENDIANS:
-        raise SFMError(f"--endian {endian!r} is not a byte order; use 'big' or 'little'")
-    if sorting not in SORTINGS:
-        raise SFMError(f"--sorting {sorting!r} is not a trace sorting; use 'inline' or 'crossline'")
-
-    spans = {}
-    for option, byte in (("--iline-byte", iline_byte), ("--xline-byte", xline_byte)):
-        if isinstance(byte, bool) or not isinstance(byte, (int, np.integer)) or not 1 <= byte <= 237:
-            raise SFMError(
-                f"{option} {byte} is outside the 240-byte trace header; "
-                "give the 1-based first byte of a 4-byte field, from 1 to 237"
-            )
-        spans[option] = set(range(byte, byte + 4))
-        for name, (start, width) in PROTECTED_FIELDS.items():
-            if spans[option] & set(range(start, start + width)):
-                raise SFMError(
-                    f"{option} {byte} overlaps the {name} field (bytes {start}-{start + width - 1}); "
-                    "choose a 4-byte position clear of bytes 37-40, 71-72, 115-118 and 181-188"
-                )
-    if spans["--iline-byte"] & spans["--xline-byte"]:
-        raise SFMError(
-            f"--iline-byte {iline_byte} and --xline-byte {xline_byte} overlap; "
-            "give two different 4-byte positions at least 4 bytes apart"
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,7 +302,8 @@ def synth_survey(
             f"--shape {dims} is not a survey: give IL XL NS with IL, XL >= 1 and 8 <= NS <= 32767, "
             "e.g. --shape 64 64 128"
         )
-    check_layout(sample_format, endian, iline_byte, xline_byte, sorting)
+    options = SegyOptions(sample_format, endian, iline_byte, xline_byte, sorting)
+    options.check()
     if "://" in str(out):
         raise SFMError(f"output {out} is a URL; sfm synth writes a local file, copy it to the bucket afterwards")
 
@@ -327,16 +317,8 @@ def synth_survey(
     with _replace_atomically(faults_path) as faults_tmp, _replace_atomically(segy_path) as segy_tmp:
         with open(faults_tmp, "wb") as fh:
             np.save(fh, labels)
-        write_segy(
-            segy_tmp,
-            amplitude,
-            sample_format=sample_format,
-            endian=endian,
-            iline_byte=iline_byte,
-            xline_byte=xline_byte,
-            sorting=sorting,
-            text=[f"SEED {seed}  FAULT LABELS: <THIS NAME WITHOUT .SGY>.FAULTS.NPY BESIDE IT"],
-        )
+        write_segy(segy_tmp, amplitude, options,
+                   text=[f"SEED {seed}  FAULT LABELS: <THIS NAME WITHOUT .SGY>.FAULTS.NPY BESIDE IT"])
 
     seconds = time.perf_counter() - started
     size_mb = segy_path.stat().st_size / 1e6

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sfm.storage.objects import process_alive
+
 EMPTY = np.uint64(2**64 - 1)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
@@ -125,16 +127,6 @@ def _write_file_atomically(path: Path, parts: list) -> None:
             offset += memoryview(part).nbytes
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
 def remove_stale_partials(root: Path) -> int:
     """Delete the temporary files killed writers left under ``root``; returns how many.
 
@@ -148,7 +140,7 @@ def remove_stale_partials(root: Path) -> int:
         tagged = PARTIAL.search(path.name)
         try:
             if tagged:
-                if tagged["host"] != HOST or _process_alive(int(tagged["pid"])):
+                if tagged["host"] != HOST or process_alive(int(tagged["pid"])):
                     continue
             elif time.time() - path.stat().st_mtime < UNTAGGED_PARTIAL_AGE_S:
                 continue

@@ -15,8 +15,9 @@ One set of settings for all of them:
 - checksums: computed and validated only when an operation requires them (non-AWS servers break
   botocore's defaults on ranged reads);
 - retries (:func:`retries`): clients used directly make ``AWS_MAX_ATTEMPTS`` (default 10) attempts;
-  clients under the loader's :class:`sfm.data.store.ResilientStore` (which retries for
-  ``data.retry_seconds`` itself) make only ``WRAPPED_RETRIES`` quick attempts, so retries never multiply.
+  clients under the loader's :class:`sfm.storage.resilient_store.ResilientStore` (which retries for
+  ``data.retry_seconds`` itself, :mod:`sfm.storage.retry`) make only ``WRAPPED_RETRIES`` quick attempts,
+  so retries never multiply.
 """
 
 from __future__ import annotations
@@ -198,8 +199,8 @@ def range_reader(bucket: str):
     return S3RangeReader(bucket)
 
 
-_CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-                     "AccessDenied", "AllAccessDisabled"}
+CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+                    "AccessDenied", "AllAccessDisabled"}
 
 
 def user_error(err: BaseException) -> SFMError | None:
@@ -222,38 +223,8 @@ def user_error(err: BaseException) -> SFMError | None:
                             "found none; set one of them")
         if isinstance(err, bx.ClientError):
             code = err.response.get("Error", {}).get("Code", "")
-            if code in _CREDENTIAL_CODES:
+            if code in CREDENTIAL_CODES:
                 return SFMError(f"S3 at {endpoint} refused the credentials from the AWS credential chain ({code}); "
                                 "check the key, the secret and the bucket policy")
         err = err.__cause__ or err.__context__
     return None
-
-
-_THROTTLING_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "RequestTimeout",
-                     "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable"}
-_PERMANENT_CODES = _CREDENTIAL_CODES | {"NoSuchBucket", "NoSuchKey", "InvalidBucketName", "InvalidRange",
-                                        "MethodNotAllowed", "NotImplemented"}
-
-
-def is_transient(err: BaseException) -> bool:
-    """Whether an S3 client failure is worth retrying: by HTTP status and S3 error code where the
-    client exposes them (botocore, obstore), else by type; connection-level failures are transient.
-    A message is read only where a client gives nothing structured (s3fs turns errors into OSError
-    with the S3 error code in the text)."""
-    import botocore.exceptions as bx
-
-    if isinstance(err, (bx.NoCredentialsError, bx.PartialCredentialsError, bx.ParamValidationError)):
-        return False
-    if isinstance(err, bx.ClientError):
-        code = err.response.get("Error", {}).get("Code", "")
-        status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-        return code in _THROTTLING_CODES or status >= 500 or status == 429 or (
-            status == 0 and code not in _PERMANENT_CODES)
-    if obstore_available():
-        import obstore.exceptions as ox
-
-        if isinstance(err, (ox.PermissionDeniedError, ox.UnauthenticatedError, ox.InvalidPathError,
-                            ox.NotSupportedError, ox.UnknownConfigurationKeyError, ox.NotFoundError)):
-            return False
-    text = str(err)
-    return not any(code in text for code in _PERMANENT_CODES - {"InternalError"})

@@ -35,7 +35,7 @@ def is_s3(url: str) -> bool:
     return str(url).startswith("s3://")
 
 
-def _check_s3_url(url: str) -> str:
+def check_s3_url(url: str) -> str:
     """``url`` itself; refused when it carries credentials (``s3://key:secret@bucket``)."""
     bucket = url[len("s3://"):].split("/", 1)[0]
     if "@" in bucket:
@@ -48,7 +48,7 @@ def normalize(url: str | os.PathLike) -> str:
     """A canonical URL: s3 URLs unchanged (minus trailing slash), local paths made absolute."""
     url = str(url)
     if is_s3(url):
-        return _check_s3_url(url).rstrip("/")
+        return check_s3_url(url).rstrip("/")
     if url.startswith("file://"):
         url = url[len("file://") :]
     return str(Path(url).expanduser().absolute())
@@ -88,7 +88,7 @@ def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     url = str(url)
     if is_s3(url):
         fs = s3_filesystem()
-        return fs, _check_s3_url(url)[len("s3://") :].rstrip("/")
+        return fs, check_s3_url(url)[len("s3://") :].rstrip("/")
     return fsspec.filesystem("file"), normalize(url)
 
 
@@ -247,7 +247,7 @@ def zarr_store(url: str, read_only: bool = False):
     import zarr.storage
 
     if is_s3(url):
-        return zarr.storage.FsspecStore.from_url(_check_s3_url(url), storage_options=s3fs_options(),
+        return zarr.storage.FsspecStore.from_url(check_s3_url(url), storage_options=s3fs_options(),
                                                  read_only=read_only)
     return zarr.storage.LocalStore(normalize(url), read_only=read_only)
 
@@ -262,6 +262,18 @@ def read_head(url: str, nbytes: int) -> tuple[bytes, int]:
         return fs.cat_file(path, start=0, end=min(nbytes, size)), size
     except FileNotFoundError as err:
         raise SFMError(f"{url} does not exist. Check the path or URL.") from err
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one of another user counts as alive): what decides if a
+    local file a process left (a temporary object, a lock) is still its writer's."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def split_urls(text: str) -> list[str]:

@@ -10,24 +10,23 @@ trace headers, :meth:`RangedFile.windows`) and runs of traces from many threads
   one keep-alive connection per thread, the body received straight into the caller's buffer); windows
   are fetched ahead by a small thread pool into a ring of :data:`PREFETCH_WINDOWS` + 1 buffers, so
   receiving overlaps the consumer's work and memory stays at those buffers whatever the file size.
-  Transient failures (connection reset or refused, timeouts, 5xx, throttling: a server restarting) are
-  retried with backoff for up to :data:`RETRY_SECONDS`; a range is only ever accepted whole and exactly
+  Transient failures (connection reset or refused, timeouts, 5xx, throttling: a server restarting;
+  :func:`sfm.storage.retry.is_transient`) are retried with :class:`sfm.storage.retry.Backoff` for up to
+  :data:`RETRY_SECONDS`; a range is only ever accepted whole and exactly
   as asked (``S3RangeReader`` checks the answer's length and ``Content-Range``), so a retried read
   never leaves a gap or a shifted byte.
 
 Nothing is written to local disk.
 
 :class:`LocalRangeReader` is the crop loader's face of the same ``os.preadv``: byte ranges of any file by
-path, as :class:`sfm.storage.ranged_get.S3RangeReader` reads them from S3 (:func:`sfm.data.store.open_survey_store`).
+path, as :class:`sfm.storage.ranged_get.S3RangeReader` reads them from S3
+(:func:`sfm.storage.resilient_store.open_survey_store`).
 """
 
 from __future__ import annotations
 
-import http.client
 import mmap
 import os
-import random
-import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +35,7 @@ import numpy as np
 
 from sfm.errors import SFMError
 from sfm.storage.ranged_get import range_size
+from sfm.storage.retry import retrying
 
 PREFETCH_WINDOWS = 4  # S3 windows in flight ahead of the consumer
 RETRY_SECONDS = 120.0  # how long one S3 range may keep failing transiently before the error is raised
@@ -150,9 +150,9 @@ class S3File(RangedFile):
 
     def __init__(self, url: str, retry_seconds: float = RETRY_SECONDS):
         from sfm.storage import clients
-        from sfm.storage.objects import _check_s3_url
+        from sfm.storage.objects import check_s3_url
 
-        self.url = _check_s3_url(url)
+        self.url = check_s3_url(url)
         self.bucket, _, self.key = url[len("s3://"):].partition("/")
         if not self.key or self.key.endswith("/"):
             raise SFMError(f"{url} names a bucket or folder, not a SEG-Y file; name the .sgy object itself")
@@ -183,18 +183,8 @@ class S3File(RangedFile):
         if nbytes == 0:
             return 0
         out = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
-        deadline = time.monotonic() + self.retry_seconds
-        attempt = 0
-        while True:
-            try:
-                got = self.reader.read_into(self.key, offset, offset + nbytes, out)
-                break
-            except Exception as err:  # noqa: BLE001  (classified by _transient; permanent ones re-raised)
-                attempt += 1
-                if not _transient(err) or time.monotonic() >= deadline:
-                    raise
-                self.retries += 1
-                time.sleep(min(5.0, 0.05 * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0))
+        got = retrying(lambda: self.reader.read_into(self.key, offset, offset + nbytes, out), self.retry_seconds,
+                       self._retried)
         if got is None:
             raise SFMError(f"{self.url} disappeared while it was read; ingest a file that is not being replaced")
         return nbytes
@@ -224,22 +214,11 @@ class S3File(RangedFile):
                 for future in pending:
                     future.cancel()
 
+    def _retried(self, err: Exception, backoff) -> None:
+        self.retries += 1
+
     def close(self) -> None:
         self.reader.close()
-
-
-def _transient(err: BaseException) -> bool:
-    """Worth retrying: a 5xx / throttling answer, or a connection that failed (reset, refused, timed out)."""
-    from sfm.storage import clients
-    from sfm.storage.ranged_get import RangeReadError
-
-    if isinstance(err, RangeReadError):
-        return err.transient
-    if isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, ValueError, SFMError)):
-        return False
-    if isinstance(err, (OSError, http.client.HTTPException)):
-        return True
-    return clients.is_transient(err)
 
 
 def open_ranged(url: str) -> RangedFile:

@@ -15,7 +15,7 @@ and session tokens from the usual chain), reused for :data:`URL_REUSE_S` and sig
 object. Credentials never appear in errors (the query string is dropped from every message).
 
 Not used behind an HTTP(S) proxy (``http.client`` does not go through one); the loader then reads
-through obstore or s3fs (:func:`sfm.data.store.open_survey_store`).
+through obstore or s3fs (:func:`sfm.storage.resilient_store.open_survey_store`).
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ _CODE = re.compile(rb"<Code>([^<]{1,64})</Code>")
 
 
 class RangeReadError(Exception):
-    """An S3 answer that is not the requested bytes. ``transient``: worth retrying (5xx, throttling)."""
+    """An S3 answer that is not the requested bytes: its HTTP ``status`` and S3 error ``code`` (whether it is
+    worth retrying: :func:`sfm.storage.retry.is_transient`)."""
 
-    def __init__(self, message: str, status: int, code: str = "", transient: bool = False):
+    def __init__(self, message: str, status: int, code: str = ""):
         super().__init__(message)
-        self.status, self.code, self.transient = status, code, transient
+        self.status, self.code = status, code
 
 
 def reachable_directly(endpoint: str | None) -> bool:
@@ -142,9 +143,9 @@ class S3RangeReader:
         """Bytes ``[start, end)`` of object ``key`` as a view of ``out`` (uint8, at least ``end - start``
         long); None when there is no such object.
 
-        Raises :class:`RangeReadError` for an answer that is not those bytes (``transient`` for 5xx
-        and throttling), and OSError / ``http.client.HTTPException`` when the connection fails; a
-        failed connection is closed, so the next call opens a new one.
+        Raises :class:`RangeReadError` for an answer that is not those bytes (its status and S3 error
+        code), and OSError / ``http.client.HTTPException`` when the connection fails; a failed connection
+        is closed, so the next call opens a new one.
         """
         size = range_size(start, end, out)
         if size == 0:
@@ -180,11 +181,10 @@ class S3RangeReader:
             if resp.status == 403 and not presigned_again:  # expired URL or rotated keys: presign again, once
                 presigned_again = True
                 continue
-            transient = resp.status >= 500 or resp.status == 429 or code in ("SlowDown", "RequestTimeout")
             wrong_region = resp.status in (301, 307) or code in ("PermanentRedirect", "AuthorizationHeaderMalformed")
             hint = "; set AWS_REGION to the bucket's region" if wrong_region else ""
             raise RangeReadError(f"GET s3://{self.bucket}/{key} bytes {start}-{end - 1}: HTTP {resp.status} "
-                                 f"{code or resp.reason}{hint}", resp.status, code, transient)
+                                 f"{code or resp.reason}{hint}", resp.status, code)
 
     def _body(self, resp: http.client.HTTPResponse, key: str, start: int, size: int, out: np.ndarray) -> np.ndarray:
         """Read exactly the requested range's bytes into ``out``, after checking the answer is that range."""

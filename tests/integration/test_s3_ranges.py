@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from support.s3_rclone import rclone_s3  # noqa: F401  (fixture)
-from sfm import data
 from sfm.storage.ranged_get import RangeReadError, S3RangeReader, reachable_directly
+from sfm.storage.retry import is_transient
 
 BODY = np.random.default_rng(7).integers(0, 256, size=3_000_001, dtype=np.uint8).tobytes()
 RANGES = [(0, 1), (0, 1 << 20), (1_234_567, 2_500_000), (len(BODY) - 5, len(BODY)), (0, len(BODY))]
@@ -37,7 +37,7 @@ def test_reads_exact_ranges_from_moto_into_the_callers_buffer(s3_env):
         reader.read_into("dir/obj", 0, 32, out)
     with pytest.raises(RangeReadError) as err:  # a missing bucket is not a missing key
         S3RangeReader("no-such-bucket").read_into("dir/obj", 0, 8, out)
-    assert err.value.status == 404 and not data.is_transient(err.value)
+    assert err.value.status == 404 and not is_transient(err.value)
     assert "X-Amz" not in str(err.value) and s3_env.env()["AWS_ACCESS_KEY_ID"] not in str(err.value)
 
 
@@ -90,11 +90,11 @@ def test_answers_that_are_not_the_range_are_errors_never_data(monkeypatch):
         for key in ("whole", "shifted"):
             with pytest.raises(RangeReadError, match="not the requested range") as err:
                 reader.read_into(key, 0, 8, out)
-            assert not data.is_transient(err.value)
+            assert not is_transient(err.value)
         assert reader.read_into("whole", 0, len(BODY), np.empty(len(BODY), np.uint8)).tobytes() == BODY
         with pytest.raises(RangeReadError, match="HTTP 503 SlowDown") as err:
             reader.read_into("slow", 0, 8, out)
-        assert data.is_transient(err.value)  # retried by the loader
+        assert is_transient(err.value)  # retried by the loader
         assert "sfmtest" not in str(err.value) and "Signature" not in str(err.value)
     finally:
         server.shutdown()

@@ -28,9 +28,9 @@ def volume(shape=(12, 10, 24), seed: int = 0) -> np.ndarray:
 
 
 def write(path: Path, amplitude: np.ndarray, **options) -> Path:
-    """sfm.ingest.synth.write_segy with format 5 by default; returns the path."""
-    options.setdefault("sample_format", 5)
-    synth.write_segy(path, amplitude, **options)
+    """sfm.ingest.synth.write_segy laid out as ``options`` (:class:`sfm.ingest.synth.SegyOptions` fields) say,
+    format 5 by default; returns the path."""
+    synth.write_segy(path, amplitude, synth.SegyOptions(**options))
     return Path(path)
 
 

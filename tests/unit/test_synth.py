@@ -19,7 +19,7 @@ import segyio
 from sfm.cli import main
 from sfm.errors import SFMError
 from sfm.ingest.geology import synthesize_volume
-from sfm.ingest.synth import synth_survey, write_segy
+from sfm.ingest.synth import SegyOptions, synth_survey, write_segy
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = (6, 5, 64)  # IL, XL, NS: small, and IL != XL so a transposed cube cannot pass by accident
@@ -85,7 +85,7 @@ def test_each_sample_format_reads_back(tmp_path, capsys, expected, fmt):
 def test_integer_samples_are_rounded_not_truncated(tmp_path):
     ramp = np.linspace(-1, 1, 2 * 3 * 16, dtype=np.float32).reshape(2, 3, 16)
     path = tmp_path / "ramp.sgy"
-    write_segy(path, ramp, sample_format=8)
+    write_segy(path, ramp, SegyOptions(sample_format=8))
     with segyio.open(path) as f:
         cube = segyio.tools.cube(f)
     scale = 0.9 * 127
@@ -96,7 +96,7 @@ def test_ibm_write_leaves_callers_array_alone(tmp_path):
     # segyio converts a float32 trace to IBM in place and back, which rounds the caller's values.
     amplitude = np.random.default_rng(1).standard_normal((2, 2, 16)).astype(np.float32)
     before = amplitude.copy()
-    write_segy(tmp_path / "ibm.sgy", amplitude, sample_format=1)
+    write_segy(tmp_path / "ibm.sgy", amplitude, SegyOptions(sample_format=1))
     np.testing.assert_array_equal(amplitude, before)
 
 

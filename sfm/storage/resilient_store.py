@@ -1,58 +1,37 @@
 """Opening a survey's zarr store for reading, local or s3://: :class:`ResilientStore` and :func:`open_survey_store`.
 
 :class:`ResilientStore` wraps the zarr store of a survey (obstore or s3fs on S3, the local filesystem
-otherwise): transient failures (connection reset or refused, 5xx, throttling, timeouts) are retried
-with exponential backoff and jitter for up to ``retry_seconds``; it counts the bytes and requests it
-fetched. Nothing is copied to local disk. Bricks of sharded stores are read on the loader's own threads,
-by ranged GETs on S3 (:mod:`sfm.storage.ranged_get`) and ``os.preadv`` on a file system
-(:class:`sfm.storage.ranged_file.LocalRangeReader`); the rest goes through zarr.
+otherwise): transient failures (connection reset or refused, 5xx, throttling, timeouts:
+:func:`sfm.storage.retry.is_transient`) are retried with :class:`sfm.storage.retry.Backoff` for up to
+``retry_seconds``; it counts the bytes and requests it fetched. Nothing is copied to local disk. Bricks
+of sharded stores are read on the loader's own threads, by ranged GETs on S3 (:mod:`sfm.storage.ranged_get`)
+and ``os.preadv`` on a file system (:class:`sfm.storage.ranged_file.LocalRangeReader`); the rest goes
+through zarr.
 """
-
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
-import random
 import threading
-import time
 
 import numpy as np
 from zarr.storage import WrapperStore
 
-from sfm import storage
-from sfm.storage import clients
 from sfm.config import CLIENTS
 from sfm.errors import SFMError
+from sfm.storage import clients, objects
 from sfm.storage.ranged_file import LocalRangeReader
-from sfm.storage.ranged_get import RangeReadError, S3RangeReader, reachable_directly
+from sfm.storage.ranged_get import S3RangeReader, reachable_directly
+from sfm.storage.retry import Backoff, range_unsupported, retrying
 
 
 log = logging.getLogger(__name__)
 
 
-
 # --------------------------------------------------------------------------------------------
 # the store: retries, byte counts, the S3 client
-
-
-def is_transient(err: BaseException) -> bool:
-    """True for failures worth retrying: connection resets/refusals, timeouts, 5xx and throttling.
-
-    Missing objects, denied access, bad arguments and a server that cannot serve byte ranges are
-    permanent: retrying cannot fix them. Classified by the client's status and error code
-    (:func:`sfm.storage.clients.is_transient`), by type for the rest.
-    """
-    if isinstance(err, RangeReadError):
-        return err.transient
-    if isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, EOFError,
-                        ValueError, TypeError, KeyError, IndexError, AttributeError, NotImplementedError,
-                        MemoryError, SFMError)):
-        return False
-    if _range_unsupported(err):
-        return False
-    return clients.is_transient(err)
 
 
 _SMALL_READS_KEPT = 4096
@@ -66,11 +45,6 @@ def _index_sized(byte_range) -> bool:
     if isinstance(byte_range, RangeByteRequest):
         return byte_range.start == 0 and byte_range.end <= _SMALL_READ_BYTES
     return isinstance(byte_range, SuffixByteRequest) and byte_range.suffix <= _SMALL_READ_BYTES
-
-
-def _range_unsupported(err: BaseException) -> bool:
-    """obstore refuses a 200 answer to a ranged GET (rclone serve s3 sends one)."""
-    return "NotPartial" in str(err) or "non-partial response" in str(err)
 
 
 class ResilientStore(WrapperStore):
@@ -92,7 +66,7 @@ class ResilientStore(WrapperStore):
         self.bytes_fetched = 0
         self.requests = 0
         self.retries = 0
-        self.closed = False  # set by CropSampler.close: reads still running stop retrying
+        self.closed = False  # set when the reader closes (Surveys.retrying): reads still running stop retrying
         self._count_lock = threading.Lock()
         # bricks: blocking ranged reads on the reading thread (S3: sfm.storage.ranged_get; a file system:
         # LocalRangeReader), keys under range_prefix; None: every read goes through the zarr store
@@ -108,48 +82,35 @@ class ResilientStore(WrapperStore):
         return clone
 
     async def _retrying(self, call):
-        deadline = time.monotonic() + self.retry_seconds
-        attempt = 0
+        backoff = Backoff(self.retry_seconds, lambda: self.closed)
         while True:
             store = self._store
             try:
                 return await call(store)
             except Exception as err:
-                if _range_unsupported(err) and (store is not self._store or self.fallback is not None):
+                if range_unsupported(err) and (store is not self._store or self.fallback is not None):
                     if store is self._store:  # the first read to find out switches; the others just retry
                         log.warning("%s: the server cannot serve byte ranges to this client (%s); reading "
                                     "through the fallback client", self.label, type(store).__name__)
                         self._store, self.fallback = self.fallback(), None
                     continue
-                attempt += 1
-                await asyncio.sleep(self._retry_delay(err, attempt, deadline))
+                wait = backoff.wait(err)
+                self._retried(err, backoff)
+                await asyncio.sleep(wait)
 
-    def _retry_delay(self, err: Exception, attempt: int, deadline: float) -> float:
-        """Seconds to wait before retry ``attempt`` (1, 2, ...) after ``err``; re-raises ``err`` when it
-        is permanent, the deadline has passed or the store was closed."""
-        now = time.monotonic()
-        if not is_transient(err) or now >= deadline or self.closed:
-            raise err
+    def _retried(self, err: Exception, backoff: Backoff) -> None:
+        """Count a retry of a read; the first of an operation is logged."""
         self.retries += 1
-        if attempt == 1:
+        if backoff.retries == 1:
             log.warning("%s: transient read failure (%s: %s); retrying for up to %.0f s", self.label,
-                        type(err).__name__, str(err).splitlines()[0][:600] if str(err) else "", deadline - now)
-        delay = min(5.0, 0.05 * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
-        return min(delay, max(0.0, deadline - now))
+                        type(err).__name__, str(err).splitlines()[0][:600] if str(err) else "", self.retry_seconds)
 
     def read_range_into(self, key: str, start: int, end: int, out: np.ndarray) -> np.ndarray | None:
         """Blocking, on the calling thread: bytes ``[start, end)`` of ``key`` (relative to this store) as
         a view of the uint8 buffer ``out`` through :attr:`range_reader`; None when the object does not
         exist. Retried and counted like :meth:`get`."""
-        deadline = time.monotonic() + self.retry_seconds
-        attempt = 0
-        while True:
-            try:
-                got = self.range_reader.read_into(self.range_prefix + key, start, end, out)
-                break
-            except Exception as err:
-                attempt += 1
-                time.sleep(self._retry_delay(err, attempt, deadline))
+        got = retrying(lambda: self.range_reader.read_into(self.range_prefix + key, start, end, out),
+                       self.retry_seconds, self._retried, lambda: self.closed)
         self._count(got)
         return got
 
@@ -195,9 +156,9 @@ def open_survey_store(store_url: str, client: str = "auto", retry_seconds: float
     """
     if client not in CLIENTS:
         raise SFMError(f"data.client = {client!r} is not a client; use one of {', '.join(CLIENTS)}")
-    url = storage.normalize(store_url)
-    if not storage.is_s3(url):
-        store = ResilientStore(storage.zarr_store(url, read_only=True), url, retry_seconds)
+    url = objects.normalize(store_url)
+    if not objects.is_s3(url):
+        store = ResilientStore(objects.zarr_store(url, read_only=True), url, retry_seconds)
         store.range_reader, store.range_prefix = LocalRangeReader(), url.rstrip("/") + "/"
         return store
     if client == "obstore" and not clients.obstore_available():
@@ -207,7 +168,7 @@ def open_survey_store(store_url: str, client: str = "auto", retry_seconds: float
     else:
         fallback = (lambda: clients.s3fs_zarr_store(url, short_retries=True)) if client != "obstore" else None
         store = ResilientStore(clients.obstore_zarr_store(url), url, retry_seconds, fallback)
-    if client == "http" or (client == "auto" and reachable_directly(storage.s3_endpoint_url())):
+    if client == "http" or (client == "auto" and reachable_directly(clients.s3_endpoint_url())):
         bucket, _, prefix = url[len("s3://"):].partition("/")
         store.range_reader = clients.range_reader(bucket)
         store.range_prefix = prefix.rstrip("/") + "/" if prefix else ""
