@@ -22,6 +22,7 @@ from support.crop_stores import crops_of, data_config, expected_crop, stream, su
 from sfm import data
 from sfm.data import bricks, regions
 from sfm.data.region_pool import RegionPool
+from sfm.storage.resilient_store import open_survey_store
 
 CROP = (16, 16, 16)
 
@@ -274,7 +275,7 @@ def test_bricks_stored_back_to_back_are_one_get(surveys):
     import zarr
 
     url = surveys.urls[0]
-    store = data.open_survey_store(url)
+    store = open_survey_store(url)
     amp = zarr.open_group(store, mode="r")["amplitude"]
     reader = bricks.BrickReader.for_array(amp)
     assert reader is not None and reader.per_shard[2] >= 2  # several bricks per shard along the samples
