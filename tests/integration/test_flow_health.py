@@ -43,7 +43,8 @@ def test_nan_rollback_and_hang_in_the_pretrain_step_then_retry_finishes(tmp_path
     assert summary["resumed_from_step"] == 15 and summary["steps"] == 25
     assert summary["health"] == {"skipped_nonfinite": 3, "rollbacks": 1}
     assert [h["step"] for h in summary["history"]] == list(range(1, 26))
-    run_root = Path(summary["model_url"]).parent
+    run_root = Path(view["run_root"])  # the pretrain step's artifact
+    assert summary["model_url"] == str(run_root / "final")
     beat = health.read_heartbeat(str(run_root))
     assert beat["status"] == "finished" and beat["step"] == 25 and beat["rollbacks"] == 1
     assert json.loads((run_root / "summary.json").read_text())["health"]["rollbacks"] == 1
