@@ -9,6 +9,7 @@ before, and it still ends where the uninterrupted run did."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -224,3 +225,35 @@ def test_sigkilled_two_rank_run_resumes_bit_for_bit(strategy, survey_store, tmp_
     summary = json.loads((run_root / "summary.json").read_text())
     assert summary["resumed_from_step"] in at_kill and summary["resumed_from_step"] >= 10
     assert_same_run(str(run_root), str(tmp_path / "reference"))
+
+
+@pytest.mark.timeout(600)
+def test_a_sharded_run_resumes_on_another_world_size(survey_store, tmp_path):
+    """fsdp2-full on two ranks (NaN steps 6-8 roll it back to step 5, so its data stream runs 3 batches
+    ahead of its step), then continued on three from its sharded checkpoint: the shards are resharded
+    on load, the third rank (no part of its own in the checkpoint) keeps its RNG states, the data
+    stream starts where the restored step's batches of three ranks begin (the two-rank position does
+    not fit), and the history and the guard's counts go on from the two-rank run's."""
+    job = make_job(survey_store, str(tmp_path / "run"), max_steps=2 * EVERY)
+    job["config"]["data"]["batch_size"] = 2
+    job["config"]["dist"] = {"procs_per_node": 2, "strategy": "fsdp2-full", "timeout_s": 60}
+    job["config"]["health"] = {"max_nonfinite_in_a_row": 3, "max_rollbacks": 1}
+    first = start_ranks(job, 2, tmp_path / "two.log", {"SFM_INJECT_FAILURES": "nan@6,nan@7,nan@8"})
+    assert first.wait(timeout=300) == 0, (tmp_path / "two.log").read_text()[-3000:]
+    two = json.loads((tmp_path / "run" / "summary.json").read_text())
+
+    job["config"]["train"]["max_steps"] = 3 * EVERY
+    job["config"]["dist"]["procs_per_node"] = 3
+    again = start_ranks(job, 3, tmp_path / "three.log")
+    assert again.wait(timeout=300) == 0, (tmp_path / "three.log").read_text()[-3000:]
+    three = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (three["resumed_from_step"], three["world_size"], three["steps"]) == (2 * EVERY, 3, 3 * EVERY)
+    assert [h["step"] for h in three["history"]] == list(range(1, 3 * EVERY + 1))
+    assert [h["loss"] for h in three["history"][:2 * EVERY]] == [h["loss"] for h in two["history"]]
+    assert all(math.isfinite(h["loss"]) for h in three["history"])
+    assert two["health"] == three["health"] == {"skipped_nonfinite": 3, "rollbacks": 1}
+    ckpt = tmp_path / "run" / "ckpt"
+    assert json.loads((ckpt / f"step-{2 * EVERY:06d}" / "state.json").read_text())["data"]["batch"] == 2 * EVERY + 3
+    state = json.loads((ckpt / f"step-{3 * EVERY:06d}" / "state.json").read_text())
+    assert state["sharded"] and state["train"]["world_size"] == 3
+    assert state["data"]["world_size"] == 3 and state["data"]["batch"] == 3 * EVERY  # from step 10's batch, 5 on
