@@ -204,7 +204,7 @@ class Checkpointer:
     """
 
     def __init__(self, root: str, accelerator, state: StepState, train):
-        self.root, self.accelerator, self.state = root, accelerator, state
+        self.root, self.accelerator, self.step_state = root, accelerator, state
         self.every, self.keep = train.checkpoint_every, train.keep_checkpoints
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.parts: dict[str, _Part] = {}
@@ -227,7 +227,7 @@ class Checkpointer:
     def save(self, step: int) -> None:
         """Rank 0 clears the step's folder, every rank writes its own parts (and, sharded, its shards
         of the weights and optimiser state), then rank 0 writes the rest and marks it complete."""
-        acc, s = self.accelerator, self.state
+        acc, s = self.accelerator, self.step_state
         if acc.is_main_process:
             begin(self.root, step)
         acc.wait_for_everyone()
@@ -285,15 +285,15 @@ class Checkpointer:
             raise
         except Exception as err:  # corrupt or partially deleted
             return None, f"{type(err).__name__}: {err}"
-        if self.state.sharded and ckpt["shards"] is None:
+        if self.step_state.sharded and ckpt["shards"] is None:
             return ckpt, "it was written by an unsharded strategy"
-        if not self.state.sharded and ckpt["model"] is None:
+        if not self.step_state.sharded and ckpt["model"] is None:
             raise SFMError(f"checkpoint {url} is sharded (an fsdp2 run); resume it with the same dist.strategy "
                            "on more than one process")
         return ckpt, ""
 
     def _restore_weights(self, ckpt: dict[str, Any]) -> None:
-        s = self.state
+        s = self.step_state
         if s.sharded:
             from sfm.distributed import strategies
 
