@@ -102,11 +102,6 @@ def _try_gloo_overlap(model: nn.Module, units: list[nn.Module]) -> None:
                     torch.__version__, type(err).__name__, err)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model under a DDP wrapper (an FSDP2 module is the model itself)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Skip gradient communication for the micro-batches of a gradient-accumulation step (not the
@@ -141,12 +136,6 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
     state = get_model_state_dict(model, options=options)
     return {k: v.detach().cpu() for k, v in state.items()}
-
-
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load full weights (e.g. ``train.init_from``) into a wrapped model, every rank passing the same."""
-    # a copy: torch replaces the dict's tensors by DTensor shards in place
-    set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))
 
 
 def _writer_reader(url: str, write: bool):

@@ -2,7 +2,7 @@
 curve equals one process training on the same global batch with the same seed, all ranks end with
 identical full weights, and a sharded checkpoint saved mid-run (to local disk, and for fsdp2-full to
 S3 on a loopback moto_server) loads into a freshly built model and optimiser and continues exactly as
-the run that saved it; full weights load into a sharded model.
+the run that saved it.
 
 Masking is random, so each sample is one micro-batch whose masking noise is seeded by (step, global
 sample index): any split of the global batch over ranks then sees the same masks. That also runs
@@ -92,15 +92,11 @@ def worker(rank: int, port: int, out_dir: str, s3_root: str) -> None:
             parallelize.load_sharded(ckpt, fresh, fresh_opt)
             resumed_loss = train_step(fresh, fresh_opt, STEPS, rank, WORLD)
             resumed = flat(parallelize.full_state_dict(fresh, rank0_only=False))
-            initial = make_model().state_dict()
-            parallelize.load_full_state_dict(fresh, initial)
-            reloaded = parallelize.full_state_dict(fresh, rank0_only=False)
             results[strategy] = {
                 "losses": losses, "next_loss": next_loss, "resumed_loss": resumed_loss,
                 "ranks_identical": all(torch.equal(g, gathered[0]) for g in gathered),
                 "resumed_max_diff": (resumed - weights).abs().max().item(),
-                "full_load_exact": all(torch.equal(reloaded[k], v) for k, v in initial.items()),
-                "sharded": [type(p).__name__ for p in parallelize.unwrap(model).parameters()][:1],
+                "sharded": [type(p).__name__ for p in model.parameters()][:1],
                 "weights": weights.tolist() if rank == 0 else None,
             }
             del model, optimizer, fresh, fresh_opt
@@ -139,7 +135,6 @@ def test_strategies_on_two_processes_match_one_process(tmp_path, s3_env):
         # sharded checkpoint round trip: the same next step, the same weights after it
         assert r0["resumed_loss"] == pytest.approx(r0["next_loss"], rel=1e-6)
         assert r0["resumed_max_diff"] < 1e-6 and r1["resumed_max_diff"] < 1e-6, strategy
-        assert r0["full_load_exact"] and r1["full_load_exact"], strategy
         assert r0["sharded"] == (["DTensor"] if strategy.startswith("fsdp2") else ["Parameter"]), strategy
     assert (tmp_path / "ckpt-fsdp2-zero2" / ".metadata").is_file()
     assert len(list((tmp_path / "ckpt-fsdp2-zero2").glob("*.distcp"))) == WORLD  # one shard file per rank
