@@ -1,8 +1,9 @@
 """MAE pretraining on Hugging Face Accelerate; one process per device, launched by torchrun.
 
 :class:`Trainer` is the loop (build, resume, step, log, checkpoint, export); its components are
-:class:`sfm.train.step.TrainStep` (one optimiser step), :class:`sfm.train.checkpoint.Checkpointer`,
-:class:`sfm.train.metrics.MetricsLogger` and the health parts of :mod:`sfm.train.health`.
+:class:`sfm.train.step.TrainStep` (one optimiser step), :class:`sfm.train.checkpoint.Checkpointer` (which
+saves and restores every stateful part registered with it), :class:`sfm.train.metrics.MetricsLogger` and
+the health parts of :mod:`sfm.train.health`.
 
 ``python -m sfm.train.trainer JOB.json`` (under ``torchrun``, or alone for one process) trains on the surveys named in the job file and
 writes under its ``run_root``::
@@ -14,7 +15,8 @@ writes under its ``run_root``::
     summary.json           loss history and throughput (written last)
     tensorboard/           Accelerate's TensorBoard logs
 
-The job file is JSON: {"config": JobConfig dict, "surveys": [store URLs], "run_root": URL}.
+The job file is JSON: {"config": JobConfig dict, "surveys": [store URLs], "run_root": URL}
+(:func:`sfm.distributed.launch.node_job` builds it).
 """
 
 from __future__ import annotations
