@@ -145,7 +145,7 @@ def pretrain(job, v: dict, device: str, folder: str):
 
 
 def run_variant(args: tuple) -> dict:
-    """One worker job: pretrain (unless ``arm`` is random) and fine-tune at every budget and seed."""
+    """One worker job: pretrain (unless the variant is the random arm) and fine-tune at every budget and seed."""
     name, over, device, folder, smoke = args
     import torch
 
@@ -166,16 +166,16 @@ def run_variant(args: tuple) -> dict:
     t0 = time.perf_counter()
     record = {"name": name, "overrides": over}
     if name == "random":
-        cfg, state, arm = model_config_for(job), None, "random"
+        cfg, state = model_config_for(job), None  # the random arm
     else:
         model, loss, seconds = pretrain(job, v, device, folder)
-        cfg, state, arm = model.cfg, {k: x.detach().cpu() for k, x in model.state_dict().items()}, "pretrained"
+        cfg, state = model.cfg, {k: x.detach().cpu() for k, x in model.state_dict().items()}
         record.update(samples_seen=v["steps"] * v["batch"], final_loss=round(loss, 4), pretrain_s=round(seconds, 1))
     scores: dict[str, list[dict[str, float]]] = {}  # per budget, the fine-tuned scores of each seed
     for budget in recipe.budgets:
         for seed in range(seeds):
-            run = downstream.one_run(cfg, state, budget_volumes(pool, budget, seed), test, recipe, seed, init=arm,
-                                     validation=validation, device=device)
+            volumes = downstream.RunVolumes(budget_volumes(pool, budget, seed), test, validation)
+            run = downstream.one_run(cfg, state, volumes, recipe, seed, device=device)
             scores.setdefault(str(budget), []).append(run["ft"])
     record.update(ap={b: [round(s["ap"], 4) for s in runs] for b, runs in scores.items()}, scores=scores,
                   seconds=round(time.perf_counter() - t0, 1))

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from sfm.model.hardware import datasheet_peak_flops, matmul_flops  # noqa: E402
 from sfm.model import build_model, mae_config, param_count, train_flops_per_sample  # noqa: E402
-from sfm.train.step import TrainStep, apply_training_options, build_optimizer, throughput  # noqa: E402
+from sfm.train.step import StepHooks, TrainStep, apply_training_options, build_optimizer, throughput  # noqa: E402
 
 GOAL = 0.45
 # preset:crop:batch; batches sized for ~0.1-0.3 s steps and well under 141 GB (halved on OOM)
@@ -55,7 +55,7 @@ def time_steps(preset: str, crop: int, batch: int, *, device: torch.device, comp
     apply_training_options(model, compile=compile)
     optimizer = build_optimizer(model, lr=1.5e-4, weight_decay=0.05)
     autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # noqa: E731
-    step = TrainStep(model, optimizer, grad_clip=1.0, autocast=autocast,
+    step = TrainStep(model, optimizer, grad_clip=1.0, hooks=StepHooks(autocast=autocast),
                      generator=torch.Generator(device=device).manual_seed(1))
     imgs = torch.randn(batch, 1, crop, crop, crop, device=device)
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from sfm.distributed import strategies as parallelize  # noqa: E402
 from sfm.model import build_model, mae_config, param_count, train_flops_per_sample  # noqa: E402
-from sfm.train.step import TrainStep, build_optimizer  # noqa: E402
+from sfm.train.step import StepHooks, TrainStep, build_optimizer  # noqa: E402
 
 GOAL = 0.9
 STRATEGIES = ("ddp", "fsdp2-zero2")
@@ -60,7 +60,7 @@ def _worker(rank: int, world: int, port: int, strategy: str, args: dict, out) ->
         model = parallelize.apply_strategy(model, strategy)
     optimizer = build_optimizer(model, lr=1.5e-4, weight_decay=0.05)
     step = TrainStep(model, optimizer, grad_clip=1.0,
-                     clip_grad_norm=lambda _p, max_norm: parallelize.clip_grad_norm(model, max_norm),
+                     hooks=StepHooks(clip_grad_norm=lambda _p, max_norm: parallelize.clip_grad_norm(model, max_norm)),
                      generator=torch.Generator().manual_seed(rank))
     imgs = torch.randn(args["batch"], 1, *(args["crop"],) * 3)
     for _ in range(args["warmup"]):

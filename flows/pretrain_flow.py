@@ -168,10 +168,10 @@ class PretrainFlow(FlowSpec):
         from sfm import pipeline
         from sfm.config import JobConfig
 
-        self.checkpoint_root = pipeline.run_root(self.root, current.flow_name, self.run_key)
+        self.run_root = pipeline.run_root(self.root, current.flow_name, self.run_key)  # checkpoints, model, summary
         with user_errors():
             self.train_summary = pipeline.pretrain_node(
-                JobConfig.from_dict(self.job), train_stores=self.train_stores, root=self.checkpoint_root,
+                JobConfig.from_dict(self.job), train_stores=self.train_stores, run_root=self.run_root,
                 nodes=current.parallel.num_nodes, node_index=current.parallel.node_index,
                 main_addr=current.parallel.main_ip, rendezvous_key=f"{current.run_id}-{current.retry_count}",
             )

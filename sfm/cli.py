@@ -152,32 +152,36 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _job_config(args: argparse.Namespace):
+    from sfm import pipeline
     from sfm.config import JobConfig
 
-    cfg = JobConfig.from_toml(args.config or None, args.overrides)
-    if args.cp:
-        cfg.set("dist.cp", args.cp)
-    if args.strategy:
-        cfg.set("dist.strategy", args.strategy)
-    return cfg
+    return pipeline.with_overrides(JobConfig.from_toml(args.config or None, args.overrides), cp=args.cp,
+                                   strategy=args.strategy)
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
     """Train one node's share of a job (outside Metaflow: by hand, or on each node of a Slurm job)."""
     from sfm import storage
+    from sfm.distributed import launch
     from sfm.ops import slurm
-    from sfm.distributed.launch import port_for
 
     cfg = _job_config(args)
     run_root = storage.normalize(args.run_root)
     surveys = slurm.training_surveys(surveys=args.surveys, data_root=args.data_root, held_out=args.held_out)
-    launch = slurm.NodeLaunch(nodes=args.nodes or cfg.dist.nodes, procs_per_node=args.procs_per_node or
-                              cfg.dist.procs_per_node, node_rank=args.node_rank, main_addr=args.main_addr,
-                              main_port=args.main_port or port_for(run_root))
-    result = slurm.train_node(cfg, surveys=surveys, run_root=run_root, launch=launch, dry_run=args.dry_run)
-    if args.dry_run:
-        print(json.dumps(result))
-    elif result is not None:
+    node = launch.NodeLaunch(nodes=args.nodes or cfg.dist.nodes, procs_per_node=args.procs_per_node or
+                             cfg.dist.procs_per_node, node_rank=args.node_rank, main_addr=args.main_addr,
+                             main_port=args.main_port or launch.port_for(run_root))
+    job = launch.node_job(cfg, surveys, run_root, node)
+    if args.dry_run:  # the launch plan, with the cluster environment as this node's processes would see it
+        import os
+
+        from sfm.ops.cluster import node_environment
+
+        env = {key: os.environ.get(key) for key in node_environment(cfg.cluster)}
+        print(json.dumps({"launch_node": vars(node), "job": job, "environment": env}))
+        return
+    result = launch.train_node(job, node)
+    if result is not None:
         print(json.dumps({k: result.get(k) for k in ("steps", "resumed_from_step", "world_size", "initial_loss",
                                                      "final_loss", "samples_per_s", "model_url")}))
 

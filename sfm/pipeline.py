@@ -20,18 +20,21 @@ from sfm.errors import SFMError
 HELD_OUT_SEED = 500  # generated held-out surveys: seeds 500, 501, ...; training surveys 0, 1, ...
 
 
+def with_overrides(cfg: JobConfig, *, cp: int = 0, strategy: str = "", preset: str = "", max_steps: int = 0
+                   ) -> JobConfig:
+    """``cfg`` with the explicit parameters of the flow or the CLI on top (0 or "": the config's)."""
+    for key, value in (("dist.cp", cp), ("dist.strategy", strategy), ("model.preset", preset),
+                       ("train.max_steps", max_steps)):
+        if value:
+            cfg.set(key, value)
+    return cfg
+
+
 def job_config(config: dict | None, *, preset: str = "", max_steps: int = 0, nodes: int = 1,
                procs_per_node: int = 1, cp: int = 0, strategy: str = "") -> JobConfig:
     """The resolved job config: the TOML config, then the flow's explicit parameters on top."""
-    cfg = JobConfig.from_dict(config or {})
-    if cp:
-        cfg.set("dist.cp", cp)
-    if strategy:
-        cfg.set("dist.strategy", strategy)
-    if preset:
-        cfg.set("model.preset", preset)
-    if max_steps:
-        cfg.set("train.max_steps", max_steps)
+    cfg = with_overrides(JobConfig.from_dict(config or {}), cp=cp, strategy=strategy, preset=preset,
+                         max_steps=max_steps)
     cfg.set("dist.nodes", nodes)
     cfg.set("dist.procs_per_node", procs_per_node)
     if cfg.dist.nodes < 1 or cfg.dist.procs_per_node < 1:
@@ -165,16 +168,18 @@ def publish(parts: list[dict[str, Any]], data_root: str) -> list[dict[str, Any]]
 
 
 def run_root(data_root: str, flow_name: str, run_key: str) -> str:
+    """Where a flow run's training writes: checkpoints, the exported model, the summary, the heartbeat."""
     return storage.join(data_root, "checkpoints", f"{flow_name}-{run_key}")
 
 
-def pretrain_node(cfg: JobConfig, *, train_stores: list[str], root: str, nodes: int, node_index: int,
+def pretrain_node(cfg: JobConfig, *, train_stores: list[str], run_root: str, nodes: int, node_index: int,
                   main_addr: str, rendezvous_key: str) -> dict[str, Any] | None:
-    """Launch this node's training processes; node 0 returns the training summary."""
-    from sfm.distributed.launch import port_for, run_node
+    """Launch this node's training processes, all writing under ``run_root`` (:func:`run_root`); node 0
+    returns the training summary."""
+    from sfm.distributed import launch
 
-    job = {"config": cfg.to_dict(), "surveys": train_stores, "run_root": root}
-    return run_node(job, nodes=nodes, node_rank=node_index, main_addr=main_addr, main_port=port_for(rendezvous_key))
+    node = launch.NodeLaunch(nodes, cfg.dist.procs_per_node, node_index, main_addr, launch.port_for(rendezvous_key))
+    return launch.train_node(launch.node_job(cfg, train_stores, run_root, node), node)
 
 
 def resolve_init_from(cfg: JobConfig, init_from: str, data_root: str) -> JobConfig:

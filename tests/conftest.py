@@ -17,6 +17,7 @@ import pytest
 # typing_extensions changes typing's generics in a way torch's import then trips over. That holds
 # for torch's lazily imported modules too (torch.testing pulls in torch.distributed.tensor).
 import torch  # noqa: F401
+import torch._dynamo  # noqa: F401  (optimisers import it lazily, on their first construction)
 import torch.distributed.tensor  # noqa: F401
 
 PROJECT = Path(__file__).resolve().parents[1]

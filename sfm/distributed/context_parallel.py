@@ -252,11 +252,14 @@ def _run_blocks(model: nn.Module, blocks: nn.ModuleList, x: torch.Tensor) -> tor
     return x
 
 
-def _shared_mask(model: nn.Module, N: int, L: int, K: int, device, group, generator, noise=None, grid=None):
-    """The random mask as ``model.random_masking`` draws it, taken from cp rank 0.
+def _shared_mask(model: nn.Module, slab: torch.Tensor, grid: tuple[int, int, int], K: int, group, generator,
+                 noise=None):
+    """The random mask of the ``slab``'s N crops (L = prod(grid) tokens each) as ``model.random_masking``
+    draws it, taken from cp rank 0.
 
     -> ids_keep [N, K] (kept token ids in shuffle order), mask [N, L] bool (True: removed)."""
-    index = torch.arange(L, device=device).expand(N, L).unsqueeze(-1)  # tokens stand in for themselves
+    N, L = slab.shape[0], math.prod(grid)
+    index = torch.arange(L, device=slab.device).expand(N, L).unsqueeze(-1)  # tokens stand in for themselves
     kept, _, ids_restore = model.random_masking(index, mask_ratio_for_kept(L, K), generator, noise, grid)
     if kept.shape[1] != K:
         raise RuntimeError(f"random_masking kept {kept.shape[1]} tokens, expected {K}")
@@ -295,7 +298,7 @@ def cp_forward_loss(model: nn.Module, slab: torch.Tensor, crop, group: dist.Proc
     grid = tuple(c // p for c, p in zip(crop, cfg.patch))
     L = math.prod(grid)
     K = cp_kept_tokens(L, cfg.mask_ratio if mask_ratio is None else mask_ratio, cp)
-    ids_keep, mask = _shared_mask(model, N, L, K, slab.device, group, generator, noise, grid)
+    ids_keep, mask = _shared_mask(model, slab, grid, K, group, generator, noise)
 
     data_b = [crop_slab(crop, cfg.patch, r, cp).tokens[0] for r in range(cp)] + [L]
     enc_b, dec_b = shard_bounds(K + 1, cp), shard_bounds(L + 1, cp)

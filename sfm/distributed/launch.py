@@ -1,8 +1,10 @@
 """Start the training processes of one node with torchrun, the rendezvous given by the caller.
 
-The flow's ``@parallel`` pretrain step calls :func:`launch_node` on every node with the main node's
-address from ``current.parallel``; on Slurm the same call runs under srun. Each node runs
-``procs_per_node`` processes of ``python -m sfm.train.trainer JOB.json``.
+:func:`train_node` runs one node's share of a job: the flow's ``@parallel`` pretrain step calls it on
+every node with the main node's address from ``current.parallel``, ``sfm train`` by hand or on each node
+of a Slurm job (under srun). Each node runs ``procs_per_node`` processes of
+``python -m sfm.train.trainer JOB.json``; all state lives under the job's run root, so running the same
+node again continues from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -16,9 +18,14 @@ import socket
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
+from sfm import storage
 from sfm.errors import SFMError
+
+if TYPE_CHECKING:
+    from sfm.config import JobConfig
 
 
 def free_port() -> int:
@@ -93,16 +100,45 @@ def launch_node(job: dict[str, Any], *, nodes: int, procs_per_node: int, node_ra
                            "see the log above, then resume the run to continue from the last checkpoint")
 
 
-def run_node(job: dict[str, Any], *, nodes: int, node_rank: int, main_addr: str, main_port: int,
-             timeout_s: int | None = None) -> dict[str, Any] | None:
-    """:func:`launch_node` with the job config's ``procs_per_node``; node 0 then returns the run's
-    summary (``summary.json`` under the job's run root), the other nodes None. The flow's pretrain
-    step and ``sfm train`` (Slurm) both run a node through this."""
-    from sfm import storage
+@dataclass
+class NodeLaunch:
+    """Where this node sits in the job: the arguments of :func:`launch_node`."""
 
-    procs = int(job["config"].get("dist", {}).get("procs_per_node", 1))
-    launch_node(job, nodes=nodes, procs_per_node=procs, node_rank=node_rank, main_addr=main_addr,
-                main_port=main_port, timeout_s=timeout_s)
-    if node_rank != 0:
+    nodes: int
+    procs_per_node: int
+    node_rank: int
+    main_addr: str
+    main_port: int
+
+    def check(self, run_root: str) -> None:
+        if self.nodes < 1 or self.procs_per_node < 1:
+            raise SFMError(f"--nodes {self.nodes} and --procs-per-node {self.procs_per_node} must be at least 1")
+        if not 0 <= self.node_rank < self.nodes:
+            raise SFMError(f"--node-rank {self.node_rank} is outside 0..{self.nodes - 1}; pass this node's index")
+        if not 0 < self.main_port < 65536:
+            raise SFMError(f"--main-port {self.main_port} is not a TCP port; pick one in 1024..65535")
+        if self.nodes > 1 and not (storage.is_s3(run_root) or run_root.startswith("/")):
+            raise SFMError(f"--run-root {run_root} must be shared by all {self.nodes} nodes: an s3:// URL or an "
+                           "absolute path on a shared filesystem (e.g. /fsx/...)")
+
+
+def node_job(cfg: JobConfig, surveys: list[str], run_root: str, launch: NodeLaunch) -> dict[str, Any]:
+    """The job file this node's processes train (:mod:`sfm.train.trainer`): ``cfg`` sized to the launch's
+    nodes x processes and checked, the survey stores, the run root."""
+    launch.check(run_root)
+    cfg.set("dist.nodes", launch.nodes)
+    cfg.set("dist.procs_per_node", launch.procs_per_node)
+    cfg.validate()
+    from sfm.model import model_config_for
+
+    model_config_for(cfg)  # the model layer's check: the preset makes a model at the job's crop and masking
+    return {"config": cfg.to_dict(), "surveys": list(surveys), "run_root": run_root}
+
+
+def train_node(job: dict[str, Any], launch: NodeLaunch, timeout_s: int | None = None) -> dict[str, Any] | None:
+    """Run this node's processes of ``job`` (:func:`node_job`); node 0 then returns the run's summary
+    (``summary.json`` under the job's run root), the other nodes None."""
+    launch_node(job, **vars(launch), timeout_s=timeout_s)
+    if launch.node_rank != 0:
         return None
     return json.loads(storage.read_bytes(storage.join(job["run_root"], "summary.json")))

@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import json
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -103,11 +102,6 @@ def _try_gloo_overlap(model: nn.Module, units: list[nn.Module]) -> None:
                     torch.__version__, type(err).__name__, err)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model under a DDP wrapper (an FSDP2 module is the model itself)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Skip gradient communication for the micro-batches of a gradient-accumulation step (not the
@@ -144,12 +138,6 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     return {k: v.detach().cpu() for k, v in state.items()}
 
 
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load full weights (e.g. ``train.init_from``) into a wrapped model, every rank passing the same."""
-    # a copy: torch replaces the dict's tensors by DTensor shards in place
-    set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))
-
-
 def _writer_reader(url: str, write: bool):
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
@@ -161,26 +149,22 @@ def _writer_reader(url: str, write: bool):
     return FileSystemWriter(url) if write else FileSystemReader(url)
 
 
-def save_sharded(url: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 extra: dict[str, Any] | None = None) -> None:
+def save_sharded(url: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Save model and optimiser state as a ``torch.distributed.checkpoint`` under ``url`` (local or
     s3://): each rank writes only its own shards (DDP: rank 0 writes the replicated tensors). A
-    collective: every rank calls it. ``extra``: small JSON-able values (step, data position, history)."""
+    collective: every rank calls it."""
     import torch.distributed.checkpoint as dcp
 
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
-             "extra_json": json.dumps(extra or {})}
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, storage_writer=_writer_reader(url, write=True))
 
 
-def load_sharded(url: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Load what :func:`save_sharded` wrote into a model wrapped the same way; returns ``extra``.
-    A collective. (torch.distributed.checkpoint reshards on load, so another world size can read it.)"""
+def load_sharded(url: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load what :func:`save_sharded` wrote into a model wrapped the same way. A collective.
+    (torch.distributed.checkpoint reshards on load, so another world size can read it.)"""
     import torch.distributed.checkpoint as dcp
 
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
-             "extra_json": ""}
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, storage_reader=_writer_reader(url, write=False))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    return json.loads(state["extra_json"])

@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -58,6 +58,7 @@ from sfm.eval.fault_scores import average_precision, scores
 from sfm.eval.labelled import (Held, Volume, budget_volumes, cut, evaluation_pool, evaluation_test,
                                evaluation_validation, random_crops, split_for_validation, tiles, whole)
 from sfm.eval.volume_predict import predict
+from sfm.train.step import lr_at, weight_decay_groups
 
 
 @dataclass
@@ -116,36 +117,26 @@ def device_of(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
-def encoder_parameters(mae: nn.Module) -> list[tuple[int, list[nn.Parameter]]]:
-    """The encoder's parameters by layer: 0 the patch embedding and cls token, 1..depth the blocks,
+def encoder_parameters(mae: nn.Module) -> list[tuple[int, list[tuple[str, nn.Parameter]]]]:
+    """The encoder's named parameters by layer: 0 the patch embedding and cls token, 1..depth the blocks,
     depth + 1 the final norm (the decoder is not part of the encoder)."""
     depth = len(mae.blocks)
-    layers = [(0, [mae.patch_embed.weight, mae.patch_embed.bias, mae.cls_token])]
-    layers += [(b + 1, list(block.parameters())) for b, block in enumerate(mae.blocks)]
-    layers.append((depth + 1, list(mae.norm.parameters())))
+    layers = [(0, [("patch_embed.weight", mae.patch_embed.weight), ("patch_embed.bias", mae.patch_embed.bias),
+                   ("cls_token", mae.cls_token)])]
+    layers += [(b + 1, list(block.named_parameters())) for b, block in enumerate(mae.blocks)]
+    layers.append((depth + 1, list(mae.norm.named_parameters())))
     return layers
 
 
 def optimizer_for(net: FaultSegmenter, recipe: Recipe, *, freeze_encoder: bool = False) -> torch.optim.AdamW:
     """AdamW with layer-wise decay: layer ``k`` of a depth-``d`` encoder learns at lr * decay^(d + 1 - k);
-    biases, norms and the cls token have no weight decay."""
+    biases, norms and the cls token have no weight decay (:func:`sfm.train.step.weight_decay_groups`)."""
     depth = len(net.mae.blocks)
     groups = []
     layers = [] if freeze_encoder else encoder_parameters(net.mae)
-    for layer, params in layers + [(depth + 1, list(net.head.parameters()))]:
-        scale = recipe.layer_decay ** (depth + 1 - layer)
-        decay = [p for p in params if p.ndim > 1 and p is not net.mae.cls_token]
-        no_decay = [p for p in params if not (p.ndim > 1 and p is not net.mae.cls_token)]
-        groups.append({"params": decay, "weight_decay": recipe.weight_decay, "lr_scale": scale})
-        groups.append({"params": no_decay, "weight_decay": 0.0, "lr_scale": scale})
+    for layer, params in layers + [(depth + 1, list(net.head.named_parameters()))]:
+        groups += weight_decay_groups(params, recipe.weight_decay, lr_scale=recipe.layer_decay ** (depth + 1 - layer))
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=recipe.lr, betas=(0.9, 0.999))
-
-
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warmup to 1, then cosine decay to 0 at ``total``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
 # ---- fine-tuning and probes -------------------------------------------------------------------------
@@ -198,7 +189,8 @@ def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *,
         best = score_step(0)
     for step in range(recipe.steps):
         net.train()
-        factor = lr_factor(step, max(1, round(recipe.warmup_fraction * recipe.steps)), recipe.steps)
+        factor = lr_at(step, lr=1.0, min_lr=0.0, warmup_steps=max(1, round(recipe.warmup_fraction * recipe.steps)),
+                       max_steps=recipe.steps)  # the pretraining schedule's shape, from 1 down to 0
         for group in optimizer.param_groups:
             group["lr"] = recipe.lr * group["lr_scale"] * factor
         imgs, labels = random_crops(train, mae.cfg.crop, recipe.batch_size, rng)
@@ -273,7 +265,8 @@ def train_linear_head(x_train: torch.Tensor, y_train: torch.Tensor, recipe: Reci
     xs = (x_train - mean) / std
     for step in range(recipe.probe_steps):
         for group in optimizer.param_groups:
-            group["lr"] = 1e-2 * lr_factor(step, max(1, recipe.probe_steps // 10), recipe.probe_steps)
+            group["lr"] = 1e-2 * lr_at(step, lr=1.0, min_lr=0.0, warmup_steps=max(1, recipe.probe_steps // 10),
+                                       max_steps=recipe.probe_steps)
         loss = balanced_bce(head(xs), y_train, positive)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -378,9 +371,8 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
                         runs.setdefault("ft_random", []).append(score)
                         continue
                     state = pretrained_state if init == "pretrained" else None
-                    for kind, score in one_run(model.cfg, state, train, test, recipe, seed, init=init,
-                                               validation=validation, example=shown,
-                                               device=device_of(model)).items():
+                    for kind, score in one_run(model.cfg, state, RunVolumes(train, test, validation), recipe, seed,
+                                               example=shown, device=device_of(model)).items():
                         runs.setdefault(f"{kind}_{init}", []).append(score)
                     score = runs[f"ft_{init}"][-1]
                     log(f"sfm downstream: budget {budget} seed {seed} {init}: AP {score['ap']:.4f} "
@@ -397,13 +389,21 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value  # as a recipe field reads back from JSON
 
 
-def one_run(cfg, state: dict | None, train: list[Volume], test: list[Volume], recipe: Recipe, seed: int, *,
-            init: str, validation: list[Volume] | None = None, example: dict | None = None,
+class RunVolumes(NamedTuple):
+    """The labelled volumes of one paired run: fine-tuned on ``train``, scored on ``test``; early
+    stopping scores the whole ``validation`` volumes, or without them the held-out inlines of ``train``
+    (``recipe.validation``)."""
+
+    train: list[Volume]
+    test: list[Volume]
+    validation: list[Volume] | None = None
+
+
+def one_run(cfg, state: dict | None, volumes: RunVolumes, recipe: Recipe, seed: int, *, example: dict | None = None,
             device: torch.device | str = "cpu") -> dict[str, dict[str, float]]:
-    """One paired run: the encoder of architecture ``cfg`` (weights ``state``, or seed ``seed``'s random
-    init when None) probed frozen and fine-tuned on ``train``, scored on ``test``: {"ft": scores,
-    "linear": ..., "knn": ...} (the probes as the recipe asks). Early stopping scores the whole
-    ``validation`` volumes, or without them the held-out inlines of ``train`` (``recipe.validation``).
+    """One paired run's arm: the encoder of architecture ``cfg`` (weights ``state``: the pretrained arm;
+    None: the random arm, seed ``seed``'s random init) probed frozen and fine-tuned on ``volumes.train``,
+    scored on ``volumes.test``: {"ft": scores, "linear": ..., "knn": ...} (the probes as the recipe asks).
     The networks run on ``device``; the random init is drawn on the CPU, so it is the same on any device."""
     from sfm.model.mae import MaskedAutoencoder3D
 
@@ -412,6 +412,8 @@ def one_run(cfg, state: dict | None, train: list[Volume], test: list[Volume], re
     if state is not None:
         mae.load_state_dict(state)
     mae.to(device)
+    train, test, validation = volumes
+    init = "pretrained" if state is not None else "random"
     out: dict[str, dict[str, float]] = {}
     if validation:
         fit, held = train, whole(validation)

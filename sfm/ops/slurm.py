@@ -1,10 +1,10 @@
-"""One node's training outside Metaflow (``sfm train``) and the sbatch script that runs it on every
-node of a Slurm allocation (``sfm slurm-script``), e.g. on SageMaker HyperPod Slurm.
+"""Training outside Metaflow: the surveys ``sfm train`` trains on, and the sbatch script that runs
+``sfm train`` on every node of a Slurm allocation (``sfm slurm-script``), e.g. on SageMaker HyperPod Slurm.
 
-``sfm train`` calls :func:`sfm.distributed.launch.launch_node`: torchrun starts ``procs_per_node`` processes of
-``python -m sfm.train.trainer`` that rendezvous with the other nodes at ``main_addr:main_port``. All state
-lives under ``run_root`` (checkpoints in ``<run_root>/ckpt``), so running the same command again --
-by hand, or by Slurm after a requeue -- continues from the newest checkpoint.
+``sfm train`` runs one node's share of the job (:func:`sfm.distributed.launch.train_node`): torchrun starts
+``procs_per_node`` processes of ``python -m sfm.train.trainer`` that rendezvous with the other nodes at
+``main_addr:main_port``. All state lives under ``run_root`` (checkpoints in ``<run_root>/ckpt``), so running
+the same command again -- by hand, or by Slurm after a requeue -- continues from the newest checkpoint.
 
 The sbatch script (:func:`render_sbatch`) holds the resolved job config and, on every node under
 ``srun``, runs ``sfm train`` with the rendezvous taken from the allocation: the first host of
@@ -18,12 +18,10 @@ node's launch plan instead of training.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 from sfm import storage
 from sfm.ingest import manifest
@@ -34,7 +32,7 @@ from sfm.ingest.mdio_source import is_mdio
 REQUEUE_SIGNAL = "USR1"
 
 
-# ---- one node's training ----------------------------------------------------------------------------
+# ---- the surveys a job trains on ----------------------------------------------------------------------
 
 
 def training_surveys(*, surveys: str = "", data_root: str = "", held_out: str = "") -> list[str]:
@@ -77,53 +75,6 @@ def _registered_mdio(url: str, data_root: str) -> str:
     if rows.empty:
         raise SFMError(f"MDIO store {url} is not registered in {data_root}; {fix}")
     return str(rows["store_url"].iloc[-1])
-
-
-@dataclass
-class NodeLaunch:
-    """Where this node sits in the job: the arguments of :func:`sfm.distributed.launch.launch_node`."""
-
-    nodes: int
-    procs_per_node: int
-    node_rank: int
-    main_addr: str
-    main_port: int
-
-    def check(self, run_root: str) -> None:
-        if self.nodes < 1 or self.procs_per_node < 1:
-            raise SFMError(f"--nodes {self.nodes} and --procs-per-node {self.procs_per_node} must be at least 1")
-        if not 0 <= self.node_rank < self.nodes:
-            raise SFMError(f"--node-rank {self.node_rank} is outside 0..{self.nodes - 1}; pass this node's index")
-        if not 0 < self.main_port < 65536:
-            raise SFMError(f"--main-port {self.main_port} is not a TCP port; pick one in 1024..65535")
-        if self.nodes > 1 and not (storage.is_s3(run_root) or run_root.startswith("/")):
-            raise SFMError(f"--run-root {run_root} must be shared by all {self.nodes} nodes: an s3:// URL or an "
-                           "absolute path on a shared filesystem (e.g. /fsx/...)")
-
-
-def train_node(cfg: JobConfig, *, surveys: list[str], run_root: str, launch: NodeLaunch, dry_run: bool = False,
-               timeout_s: int | None = None) -> dict[str, Any] | None:
-    """Run this node's processes of the job; node 0 returns the run's summary.
-
-    With ``dry_run`` nothing runs: returns the launch plan (what :func:`sfm.distributed.launch.launch_node` gets).
-    """
-    launch.check(run_root)
-    cfg.set("dist.nodes", launch.nodes)
-    cfg.set("dist.procs_per_node", launch.procs_per_node)
-    cfg.validate()
-    from sfm.model import model_config_for
-
-    model_config_for(cfg)  # the model layer's check: the preset makes a model at the job's crop and masking
-    job = {"config": cfg.to_dict(), "surveys": surveys, "run_root": run_root}
-    if dry_run:  # with the cluster environment as this node's processes would see it
-        from sfm.ops.cluster import node_environment
-
-        env = {key: os.environ.get(key) for key in node_environment(cfg.cluster)}
-        return {"launch_node": vars(launch), "job": job, "environment": env}
-    from sfm.distributed.launch import run_node
-
-    return run_node(job, nodes=launch.nodes, node_rank=launch.node_rank, main_addr=launch.main_addr,
-                    main_port=launch.main_port, timeout_s=timeout_s)
 
 
 # ---- the sbatch script ------------------------------------------------------------------------------

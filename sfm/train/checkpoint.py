@@ -4,8 +4,9 @@ Layout under a checkpoint root (local or S3)::
 
     step-000050/model.safetensors    weights (never pickled)
     step-000050/optimizer.pt         optimiser + scheduler state (tensors only; loaded weights_only=True)
-    step-000050/rng-rank0.pt         each rank's RNG states
-    step-000050/state.json           step, data position, history; written LAST: marks it complete
+    step-000050/rank0.pt             each rank's own parts (its RNG states), tensors only
+    step-000050/state.json           step and the shared parts (train state, data position, history,
+                                     health); written LAST: marks it complete
 
 A sharded checkpoint (FSDP2 strategies) keeps the weights and optimiser state as a
 ``torch.distributed.checkpoint`` in ``step-000050/shards/`` (each rank writes its own shards, see
@@ -14,10 +15,14 @@ A sharded checkpoint (FSDP2 strategies) keeps the weights and optimiser state as
 
 A checkpoint without ``state.json`` is incomplete and ignored. Writing one is three moves:
 :func:`begin` (rank 0 clears whatever an earlier attempt left at that step, marker first), then
-:func:`save_rank_rng` on every rank, then :func:`save` on rank 0, which writes ``state.json`` last and
+:func:`save_rank` on every rank, then :func:`save` on rank 0, which writes ``state.json`` last and
 prunes. Only the newest ``keep`` complete checkpoints are kept; a pruned one loses its marker before
 its files, so no reader ever sees a half-deleted checkpoint as complete. If the newest cannot be
 read, the one before it is used, with a warning.
+
+:class:`Checkpointer` drives those moves for a run: the weights, optimiser and schedule it is built
+with, and every other stateful part registered with it (:meth:`Checkpointer.register`), are saved
+and restored together, as torchtitan's checkpoint manager does.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import json
 import logging
 import random
 import re
-from typing import Any, Callable
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -40,6 +45,7 @@ from sfm.errors import SFMError
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 MARKER = "state.json"  # written last: a checkpoint folder without it is incomplete
+RESERVED = ("step", "sharded")  # the marker's own keys: no registered part may take these names
 
 
 def step_dir(root: str, step: int) -> str:
@@ -73,30 +79,6 @@ def begin(root: str, step: int) -> None:
         discard(root, step)
 
 
-def rng_state(generators: dict[str, torch.Generator] | None = None) -> dict[str, Any]:
-    """The global RNG states (torch, CUDA, numpy, python) and those of the named ``generators``."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-             "generators": {name: g.get_state() for name, g in (generators or {}).items()}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator] | None = None) -> None:
-    """Restore what :func:`rng_state` captured; each of ``generators`` from its saved namesake."""
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    saved = state.get("generators", {})
-    for name, gen in (generators or {}).items():
-        if name in saved:
-            gen.set_state(saved[name])
-        else:  # a checkpoint from before that generator existed: it keeps its seeded state
-            log.warning("checkpoint has no state for RNG %r; it continues from its seed", name)
-
-
 def _tensor_bytes(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -107,14 +89,15 @@ def _load_tensors(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-def save_rank_rng(root: str, step: int, rank: int, generators: dict[str, torch.Generator] | None = None) -> None:
-    """Every rank saves its own RNG states (global ones and ``generators``) before rank 0 marks the
+def rank_file(rank: int) -> str:
+    """The file of a checkpoint folder that holds rank ``rank``'s own parts."""
+    return f"rank{rank}.pt"
+
+
+def save_rank(root: str, step: int, rank: int, parts: dict[str, Any]) -> None:
+    """Every rank writes its own parts' states (tensors and plain containers) before rank 0 marks the
     checkpoint complete."""
-    state = rng_state(generators)
-    name, keys, pos, has_gauss, cached = state["numpy"]  # ndarray -> tensor: loadable with weights_only
-    state["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]
-    state["python"] = list(state["python"])
-    storage.write_bytes(storage.join(step_dir(root, step), f"rng-rank{rank}.pt"), _tensor_bytes(state))
+    storage.write_bytes(storage.join(step_dir(root, step), rank_file(rank)), _tensor_bytes(parts))
 
 
 def shards_url(root: str, step: int) -> str:
@@ -123,11 +106,12 @@ def shards_url(root: str, step: int) -> str:
 
 
 def save(root: str, step: int, model_state: dict[str, torch.Tensor] | None, optimizer_state: dict | None,
-         scheduler_state: dict, meta: dict[str, Any], keep: int = 2) -> str:
-    """Write a checkpoint (rank 0, after every rank called :func:`save_rank_rng`); returns its URL.
+         scheduler_state: dict, parts: dict[str, Any], keep: int = 2) -> str:
+    """Write a checkpoint (rank 0, after every rank called :func:`save_rank`); returns its URL.
 
-    ``model_state`` and ``optimizer_state`` None: a sharded checkpoint whose ranks have already
-    written :func:`shards_url` together; this writes the scheduler and the marker."""
+    ``parts``: the shared parts' states, JSON-able, written into the marker. ``model_state`` and
+    ``optimizer_state`` None: a sharded checkpoint whose ranks have already written :func:`shards_url`
+    together; this writes the scheduler and the marker."""
     url = step_dir(root, step)
     sharded = model_state is None
     if not sharded:
@@ -135,7 +119,7 @@ def save(root: str, step: int, model_state: dict[str, torch.Tensor] | None, opti
         storage.write_bytes(storage.join(url, "model.safetensors"), save_safetensors(tensors))
     storage.write_bytes(storage.join(url, "optimizer.pt"),
                         _tensor_bytes({"optimizer": optimizer_state, "scheduler": scheduler_state}))
-    storage.write_bytes(storage.join(url, MARKER), json.dumps({"step": step, "sharded": sharded, **meta}).encode())
+    storage.write_bytes(storage.join(url, MARKER), json.dumps({"step": step, "sharded": sharded, **parts}).encode())
     complete = complete_steps(root)
     stale = set(complete[:-keep]) if keep > 0 else set()
     stale |= {s for s in all_steps(root) if s < step and s not in complete}  # partial leftovers of killed saves
@@ -146,132 +130,187 @@ def save(root: str, step: int, model_state: dict[str, torch.Tensor] | None, opti
 
 def load(url: str, rank: int) -> dict[str, Any]:
     """Read one checkpoint completely (raises if any part is unreadable). For a sharded one,
-    ``model`` and ``optimizer`` are None and ``shards`` is the URL to load them from, collectively."""
+    ``model`` and ``optimizer`` are None and ``shards`` is the URL to load them from, collectively.
+    ``rank`` holds this rank's own parts; None when the checkpoint has none for it (it was written
+    by fewer ranks)."""
     state = json.loads(storage.read_bytes(storage.join(url, MARKER)))
-    sharded = bool(state.get("sharded"))
+    sharded = state["sharded"]
     model = None if sharded else load_safetensors(storage.read_bytes(storage.join(url, "model.safetensors")))
     opt = _load_tensors(storage.read_bytes(storage.join(url, "optimizer.pt")))
-    rng_url = storage.join(url, f"rng-rank{rank}.pt")
-    rng = None
-    if storage.exists(rng_url):
-        raw = _load_tensors(storage.read_bytes(rng_url))
-        name, keys, pos, has_gauss, cached = raw["numpy"]
-        raw["numpy"] = (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
-        raw["python"] = (raw["python"][0], tuple(raw["python"][1]), raw["python"][2])
-        rng = raw
-    return {"state": state, "model": model, "optimizer": opt["optimizer"], "scheduler": opt["scheduler"], "rng": rng,
-            "shards": storage.join(url, "shards") if sharded else None}
+    mine = storage.join(url, rank_file(rank))
+    own = _load_tensors(storage.read_bytes(mine)) if storage.exists(mine) else None
+    return {"state": state, "model": model, "optimizer": opt["optimizer"], "scheduler": opt["scheduler"],
+            "rank": own, "shards": storage.join(url, "shards") if sharded else None}
 
 
-def load_latest(root: str, rank: int, warn: Callable[[str], None] = log.warning) -> dict[str, Any] | None:
-    """The newest readable complete checkpoint under ``root``; None if there is none."""
-    for step in reversed(complete_steps(root)):
-        url = step_dir(root, step)
-        try:
-            ckpt = load(url, rank)
-        except Exception as err:  # corrupt or partially deleted: fall back to the one before
-            warn(f"checkpoint {url} is unreadable ({type(err).__name__}: {err}); falling back to an earlier one")
-            continue
-        ckpt["url"] = url
-        return ckpt
-    return None
+class Stateful(Protocol):
+    """What a registered part offers: its state, and restoring it."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class RNGState:
+    """The process's global RNG states (torch, CUDA, numpy, python) as a checkpoint part: a rank's
+    own (register it ``per_rank``); its state is tensors and plain containers, loadable with
+    ``weights_only``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state = {"torch": torch.get_rng_state(), "python": list(random.getstate()),
+                 "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        if "cuda" in state and torch.cuda.is_available():  # a CPU run's checkpoint has none
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class StepState(NamedTuple):
+    """What every optimiser step changes: the plain ``model`` (its full weights, unsharded strategies),
+    ``step_model`` (what the step runs; sharded strategies save and load through it), the optimiser
+    and the scheduler. ``sharded``: saved as each rank's shards (FSDP2) instead of full weights."""
+
+    model: torch.nn.Module
+    step_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sharded: bool
+
+
+class _Part(NamedTuple):
+    part: Stateful
+    per_rank: bool
+    keep_on_rollback: bool
 
 
 class Checkpointer:
-    """The one owner of a run's checkpoints: when to save, saving every rank's part, and finding,
-    agreeing on and loading the newest checkpoint every rank can read, for plain and sharded
-    strategies alike.
+    """The one owner of a run's checkpoints and of everything restored from them: when to save, saving
+    every rank's part, and finding, agreeing on and loading the newest checkpoint every rank can read,
+    for plain and sharded strategies alike.
 
-    ``model`` is the plain model (its full weights, unsharded strategies), ``step_model`` what the
-    step runs (sharded strategies save and load through it); ``accelerator`` gives rank, world and
-    barriers. Every method is collective: all ranks call it together.
+    It saves and restores ``state`` (weights, optimiser, scheduler) and every part registered with
+    :meth:`register`; nothing else in a run restores state. ``accelerator`` gives rank, world and
+    barriers; ``train`` is the job's ``[train]`` section (``checkpoint_every``, ``keep_checkpoints``).
+    Every method but :meth:`register` and :meth:`due` is collective: all ranks call it together.
     """
 
-    def __init__(self, root: str, accelerator, model: torch.nn.Module, step_model: torch.nn.Module, optimizer,
-                 scheduler, *, sharded: bool, every: int, keep: int):
-        self.root, self.accelerator = root, accelerator
-        self.model, self.step_model, self.optimizer, self.scheduler = model, step_model, optimizer, scheduler
-        self.sharded, self.every, self.keep = sharded, every, keep
+    def __init__(self, root: str, accelerator, state: StepState, train):
+        self.root, self.accelerator, self.step_state = root, accelerator, state
+        self.every, self.keep = train.checkpoint_every, train.keep_checkpoints
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.parts: dict[str, _Part] = {}
+
+    def register(self, name: str, part: Stateful, *, per_rank: bool = False, keep_on_rollback: bool = False) -> None:
+        """Save ``part.state_dict()`` with every checkpoint and give it back to ``part.load_state_dict``
+        on every load, parts in the order they were registered.
+
+        ``per_rank``: each rank saves its own (tensors and plain containers; a rank the checkpoint has
+        none for, one of more ranks than wrote it, keeps its own); otherwise the state is the same on
+        every rank and rank 0's is saved (JSON-able). ``keep_on_rollback``: a rollback
+        (``load(rollback=True)``) leaves the part as it is."""
+        if name in RESERVED or name in self.parts:
+            raise ValueError(f"checkpoint part name {name!r} is taken")
+        self.parts[name] = _Part(part, per_rank, keep_on_rollback)
 
     def due(self, step: int, last: bool) -> bool:
         return step % self.every == 0 or last
 
-    def save(self, step: int, meta: dict[str, Any]) -> None:
-        """Rank 0 clears the step's folder, every rank writes its RNG state (and, sharded, its shards
+    def save(self, step: int) -> None:
+        """Rank 0 clears the step's folder, every rank writes its own parts (and, sharded, its shards
         of the weights and optimiser state), then rank 0 writes the rest and marks it complete."""
-        acc = self.accelerator
+        acc, s = self.accelerator, self.step_state
         if acc.is_main_process:
             begin(self.root, step)
         acc.wait_for_everyone()
-        save_rank_rng(self.root, step, self.rank)
-        if self.sharded:
+        save_rank(self.root, step, self.rank, self._states(per_rank=True))
+        if s.sharded:
             from sfm.distributed import strategies
 
-            strategies.save_sharded(shards_url(self.root, step), self.step_model, self.optimizer)
+            strategies.save_sharded(shards_url(self.root, step), s.step_model, s.optimizer)
         acc.wait_for_everyone()
         if acc.is_main_process:
-            if self.sharded:
-                save(self.root, step, None, None, self.scheduler.state_dict(), meta, keep=self.keep)
-            else:
-                save(self.root, step, self.model.state_dict(), self.optimizer.state_dict(),
-                     self.scheduler.state_dict(), meta, keep=self.keep)
+            model, optimizer = (None, None) if s.sharded else (s.model.state_dict(), s.optimizer.state_dict())
+            save(self.root, step, model, optimizer, s.scheduler.state_dict(), self._states(per_rank=False),
+                 keep=self.keep)
         acc.wait_for_everyone()
 
-    def load(self) -> dict[str, Any] | None:
-        """The newest checkpoint every rank can read, loaded into the model, optimiser and scheduler;
-        None if there is none. Newest first: a checkpoint any rank cannot read or load is passed
-        over by all (with a warning naming why), so the ranks never resume out of step."""
+    def load(self, *, rollback: bool = False) -> str | None:
+        """Restore the newest checkpoint every rank can read: the weights, optimiser and scheduler, then
+        every registered part (with ``rollback``, those not kept on rollback). Returns its URL; None
+        if there is none. Newest first: a checkpoint any rank cannot read or load is passed over by
+        all (with a warning naming why), so the ranks never resume out of step."""
         steps = [complete_steps(self.root) if self.accelerator.is_main_process else None]
         if self.world > 1:
             torch.distributed.broadcast_object_list(steps, src=0)
         passed_over = False
         for step in reversed(steps[0]):
             url = step_dir(self.root, step)
-            ckpt, why = None, ""
-            try:
-                ckpt = load(url, self.rank)
-                why = self._cannot_restore(url, ckpt)
-            except SFMError:
-                raise
-            except Exception as err:  # corrupt or partially deleted
-                why = f"{type(err).__name__}: {err}"
+            ckpt, why = self._read(url)
             if why:
                 log.warning("checkpoint %s is unreadable (%s); falling back to an earlier one", url, why)
             if self._all_ranks(not why):
                 try:
-                    self._restore(ckpt)
+                    self._restore_weights(ckpt)
                 except Exception as err:
                     why = f"{type(err).__name__}: {err}"
                     log.warning("checkpoint %s cannot be loaded (%s); falling back to an earlier one", url, why)
                 if self._all_ranks(not why):
+                    self._restore_parts(ckpt, rollback)
                     if passed_over and self.world > 1:
                         log.warning("all ranks continue from step %d", step)
-                    ckpt["url"] = url
-                    return ckpt
+                    return url
             elif not why:
                 log.warning("checkpoint %s is unreadable on another rank; falling back to an earlier one", url)
             passed_over = True
         return None
 
-    def _cannot_restore(self, url: str, ckpt: dict[str, Any]) -> str:
-        """Why this strategy cannot restore ``ckpt`` ("" if it can)."""
-        if self.sharded and ckpt["shards"] is None:
-            return "it was written by an unsharded strategy"
-        if not self.sharded and ckpt["model"] is None:
+    def _states(self, per_rank: bool) -> dict[str, Any]:
+        return {name: p.part.state_dict() for name, p in self.parts.items() if p.per_rank == per_rank}
+
+    def _read(self, url: str) -> tuple[dict[str, Any] | None, str]:
+        """This rank's reading of the checkpoint at ``url``, and why this strategy cannot restore it
+        ("" if it can)."""
+        try:
+            ckpt = load(url, self.rank)
+        except SFMError:
+            raise
+        except Exception as err:  # corrupt or partially deleted
+            return None, f"{type(err).__name__}: {err}"
+        if self.step_state.sharded and ckpt["shards"] is None:
+            return ckpt, "it was written by an unsharded strategy"
+        if not self.step_state.sharded and ckpt["model"] is None:
             raise SFMError(f"checkpoint {url} is sharded (an fsdp2 run); resume it with the same dist.strategy "
                            "on more than one process")
-        return ""
+        return ckpt, ""
 
-    def _restore(self, ckpt: dict[str, Any]) -> None:
-        if self.sharded:
+    def _restore_weights(self, ckpt: dict[str, Any]) -> None:
+        s = self.step_state
+        if s.sharded:
             from sfm.distributed import strategies
 
-            strategies.load_sharded(ckpt["shards"], self.step_model, self.optimizer)
+            strategies.load_sharded(ckpt["shards"], s.step_model, s.optimizer)
         else:
-            self.model.load_state_dict(ckpt["model"])
-            self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.scheduler.load_state_dict(ckpt["scheduler"])
+            s.model.load_state_dict(ckpt["model"])
+            s.optimizer.load_state_dict(ckpt["optimizer"])
+        s.scheduler.load_state_dict(ckpt["scheduler"])
+
+    def _restore_parts(self, ckpt: dict[str, Any], rollback: bool) -> None:
+        for name, p in self.parts.items():
+            if rollback and p.keep_on_rollback:
+                continue
+            if not p.per_rank:
+                p.part.load_state_dict(ckpt["state"][name])
+            elif ckpt["rank"] is not None:
+                p.part.load_state_dict(ckpt["rank"][name])
 
     def _all_ranks(self, ok: bool) -> bool:
         """True when ``ok`` holds on every rank (a collective)."""

@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, NamedTuple, TextIO
 
 from sfm import storage
 from sfm.errors import SFMError
@@ -214,9 +214,16 @@ class NonFiniteGuard:
         return {"skipped": self.skipped, "consecutive": self.consecutive, "rollbacks": self.rollbacks}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.skipped = int(state.get("skipped", 0))
-        self.consecutive = int(state.get("consecutive", 0))
-        self.rollbacks = int(state.get("rollbacks", 0))
+        self.skipped, self.consecutive, self.rollbacks = state["skipped"], state["consecutive"], state["rollbacks"]
+
+
+class RunHealth(NamedTuple):
+    """The health parts of one training process: every rank runs the watchdog and the guard; the
+    heartbeat writes on rank 0 only."""
+
+    watchdog: Watchdog
+    heartbeat: Heartbeat
+    guard: NonFiniteGuard
 
 
 def all_ranks_finite(*values, reduce: Callable | None = None) -> bool:
@@ -339,5 +346,5 @@ def summary_line(info: dict[str, Any]) -> str:
     return ", ".join(p for p in parts if p)
 
 
-__all__ = ["Watchdog", "NonFiniteGuard", "Heartbeat", "all_ranks_finite", "read_heartbeat", "resolve_run_root",
+__all__ = ["Watchdog", "NonFiniteGuard", "Heartbeat", "RunHealth", "all_ranks_finite", "read_heartbeat", "resolve_run_root",
            "describe", "summary_line", "thread_stacks", "HANG_EXIT_CODE", "OK", "SKIP", "ROLLBACK"]

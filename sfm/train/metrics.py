@@ -20,20 +20,23 @@ class MetricsLogger:
     throughput. ``history`` ({"step", "loss", and at logged steps the speed figures}) is what a
     checkpoint saves and the summary reports; a skipped (non-finite) step keeps its place with loss
     None. Time spent in checkpoints, snapshots and rollbacks (:meth:`paused`) does not count
-    against throughput."""
+    against throughput. A checkpoint part: its state is the history (the same on every rank).
 
-    def __init__(self, accelerator, heartbeat, guard, *, max_steps: int, start_step: int, history: list[dict],
-                 samples_per_step: int, voxels_per_sample: int, flops_per_sample: float, peak: PeakFlops):
+    ``health`` (a :class:`sfm.train.health.RunHealth`): the heartbeat each log beats, with the guard's counts.
+    """
+
+    def __init__(self, accelerator, health, *, max_steps: int, samples_per_step: int, voxels_per_sample: int,
+                 flops_per_sample: float, peak: PeakFlops):
         from tqdm import tqdm
 
-        self.accelerator, self.heartbeat, self.guard = accelerator, heartbeat, guard
-        self.history = history
+        self.accelerator, self.heartbeat, self.guard = accelerator, health.heartbeat, health.guard
+        self.history: list[dict] = []
         self.samples_per_step, self.voxels_per_sample = samples_per_step, voxels_per_sample
         self.flops_per_sample, self.peak = flops_per_sample, peak
         self.pending: list[torch.Tensor] = []  # mean loss of each step since history was last written
         self.started = time.perf_counter()
         self._window_start, self._window_steps, self._paused = self.started, 0, 0.0
-        self.bar = tqdm(total=max_steps, initial=start_step, disable=not accelerator.is_main_process,
+        self.bar = tqdm(total=max_steps, disable=not accelerator.is_main_process,
                         desc="pretrain", mininterval=2, file=sys.stderr)
 
     def record(self, losses: torch.Tensor) -> None:
@@ -75,12 +78,15 @@ class MetricsLogger:
         finally:
             self._paused += time.perf_counter() - t0
 
-    def rewind(self, step: int, history: list[dict]) -> None:
-        """Back to a checkpoint's ``step`` and ``history`` (a rollback)."""
+    def state_dict(self) -> list[dict]:
+        return self.history
+
+    def load_state_dict(self, history: list[dict]) -> None:
+        """Continue from a checkpoint's history (a resume or a rollback): the steps it holds are done."""
         self.pending.clear()
-        self.history = history
+        self.history = list(history)
         self.bar.reset(total=self.bar.total)
-        self.bar.update(step)
+        self.bar.update(history[-1]["step"] if history else 0)
 
     def latest(self) -> dict[str, Any]:
         """The last logged speed figures (empty before the first log)."""

@@ -32,6 +32,17 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def weight_decay_groups(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float,
+                        **extra) -> list[dict]:
+    """Two optimiser groups, as in MAE: weight decay on the matrices and kernels, none on norms,
+    biases and the cls/mask tokens; ``extra`` is added to both (e.g. a learning-rate scale)."""
+    decay, no_decay = [], []
+    for name, p in named_parameters:
+        (no_decay if p.ndim < 2 or name.endswith("_token") else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay, **extra},
+            {"params": no_decay, "weight_decay": 0.0, **extra}]
+
+
 def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95), algorithm: str = "adamw",
                     muon_lr: float = 0.0) -> torch.optim.Optimizer:
@@ -44,16 +55,10 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float,
     ``algorithm = "muon"``: the transformer blocks' weight matrices step by Muon at peak rate ``muon_lr``
     (0: ``lr``), everything else by AdamW at ``lr`` (:class:`sfm.train.muon.MuonAdamW`, one optimiser).
     """
-    decay, no_decay = [], []
     muon_names = set(muon_parameters(model)) if algorithm == "muon" else set()
-    matrices = []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            if name in muon_names:
-                matrices.append(p)
-            else:
-                (no_decay if p.ndim < 2 or name.endswith("_token") else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    matrices = [p for name, p in trained if name in muon_names]
+    groups = weight_decay_groups([(name, p) for name, p in trained if name not in muon_names], weight_decay)
     if algorithm == "muon":
         groups.append({"params": matrices, "weight_decay": weight_decay, "muon": True, "lr": muon_lr or lr})
         return MuonAdamW(groups, lr=lr, betas=betas)
@@ -84,24 +89,36 @@ class StepResult(NamedTuple):
     applied: bool
 
 
+class StepHooks(NamedTuple):
+    """How a :class:`TrainStep` runs on its device and strategy; each defaults to plain PyTorch.
+
+    - ``autocast``: context for the forward pass, e.g. ``lambda: torch.autocast("cuda", torch.bfloat16)``.
+    - ``no_sync``: context that skips the gradient all-reduce on all but the last micro-batch.
+    - ``backward``: ``loss -> None`` (default ``loss.backward()``; Accelerate's ``backward`` scales for it).
+    - ``clip_grad_norm``: ``(parameters, max_norm) -> norm before clipping``; called every step (with
+      ``max_norm=inf`` when ``grad_clip`` is 0) so the norm is always known.
+    - ``check_finite``: ``(losses, grad_norm) -> bool``, the same answer on every rank; False skips the
+      update (gradients dropped, optimiser untouched; the scheduler still advances, so the learning
+      rate stays a function of the step number).
+    """
+
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext
+    no_sync: Callable[[], ContextManager] | None = None
+    backward: Callable[[torch.Tensor], None] | None = None
+    clip_grad_norm: Callable[..., torch.Tensor] | None = None
+    check_finite: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
+
+
 class TrainStep:
     """One optimiser step: ``micro_batches`` forward/backward passes (gradients accumulated), then
     gradient clipping, ``optimizer.step()`` and ``scheduler.step()``.
 
-    The hooks default to plain PyTorch; ``sfm.train.trainer`` passes its own (Accelerate's ``backward`` and
-    ``autocast``, the strategy's ``no_sync`` and global-norm clipping), so the same step runs under
-    DDP, FSDP2 or context parallelism and on a bare device.
+    ``hooks`` (:class:`StepHooks`) default to plain PyTorch; ``sfm.train.trainer`` passes its own
+    (Accelerate's ``backward`` and ``autocast``, the strategy's ``no_sync`` and global-norm clipping),
+    so the same step runs under DDP, FSDP2 or context parallelism and on a bare device.
 
     Args:
-        autocast: context for the forward pass, e.g. ``lambda: torch.autocast("cuda", torch.bfloat16)``.
-        no_sync: context that skips the gradient all-reduce on all but the last micro-batch.
-        clip_grad_norm: ``(parameters, max_norm) -> norm before clipping``; called every step (with
-            ``max_norm=inf`` when ``grad_clip`` is 0) so the norm is always known.
-        check_finite: ``(losses, grad_norm) -> bool``, the same answer on every rank; False skips the
-            update (gradients dropped, optimiser untouched; the scheduler still advances, so the
-            learning rate stays a function of the step number).
-        generator: the RNG the MAE masks are drawn from (default: torch's global one); save its
-            state with a checkpoint to resume exactly.
+        generator: the RNG the MAE masks are drawn from (default: torch's global one).
         mask_noise: ``(micro-batch index, imgs) -> noise [N, L]`` for the MAE masks instead of
             ``generator`` (e.g. derived from the data's position, so that masks do not depend on how
             samples are spread over ranks).
@@ -109,21 +126,16 @@ class TrainStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, *, grad_clip: float = 0.0,
-                 autocast: Callable[[], ContextManager] = contextlib.nullcontext,
-                 no_sync: Callable[[], ContextManager] | None = None,
-                 backward: Callable[[torch.Tensor], None] | None = None,
-                 clip_grad_norm: Callable[..., torch.Tensor] | None = None,
-                 check_finite: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
-                 generator: torch.Generator | None = None,
+                 hooks: StepHooks = StepHooks(), generator: torch.Generator | None = None,
                  mask_noise: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.mask_noise = mask_noise
         self.generator = generator
         self.grad_clip = float(grad_clip)
-        self.autocast, self.no_sync = autocast, no_sync
-        self.backward = backward or (lambda loss: loss.backward())
-        self.clip_grad_norm = clip_grad_norm or torch.nn.utils.clip_grad_norm_
-        self.check_finite = check_finite
+        self.autocast, self.no_sync = hooks.autocast, hooks.no_sync
+        self.backward = hooks.backward or (lambda loss: loss.backward())
+        self.clip_grad_norm = hooks.clip_grad_norm or torch.nn.utils.clip_grad_norm_
+        self.check_finite = hooks.check_finite
 
     def __call__(self, micro_batches: Iterable[torch.Tensor], count: int) -> StepResult:
         """Train on ``count`` micro-batches ``[B, C, D, H, W]`` drawn from ``micro_batches``."""

@@ -1,8 +1,9 @@
 """MAE pretraining on Hugging Face Accelerate; one process per device, launched by torchrun.
 
 :class:`Trainer` is the loop (build, resume, step, log, checkpoint, export); its components are
-:class:`sfm.train.step.TrainStep` (one optimiser step), :class:`sfm.train.checkpoint.Checkpointer`,
-:class:`sfm.train.metrics.MetricsLogger` and the health parts of :mod:`sfm.train.health`.
+:class:`sfm.train.step.TrainStep` (one optimiser step), :class:`sfm.train.checkpoint.Checkpointer` (which
+saves and restores every stateful part registered with it), :class:`sfm.train.metrics.MetricsLogger` and
+the health parts of :mod:`sfm.train.health`.
 
 ``python -m sfm.train.trainer JOB.json`` (under ``torchrun``, or alone for one process) trains on the surveys named in the job file and
 writes under its ``run_root``::
@@ -14,7 +15,8 @@ writes under its ``run_root``::
     summary.json           loss history and throughput (written last)
     tensorboard/           Accelerate's TensorBoard logs
 
-The job file is JSON: {"config": JobConfig dict, "surveys": [store URLs], "run_root": URL}.
+The job file is JSON: {"config": JobConfig dict, "surveys": [store URLs], "run_root": URL}
+(:func:`sfm.distributed.launch.node_job` builds it).
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ from sfm.model import load as load_model
 from sfm.model import save as save_model
 from sfm.model.hardware import PeakFlops
 from sfm.train import checkpoint
-from sfm.train.faults import Faults
-from sfm.train.health import ROLLBACK, SKIP, Heartbeat, NonFiniteGuard, Watchdog, all_ranks_finite
+from sfm.train import failure_injection
+from sfm.train.failure_injection import FailureInjection
+from sfm.train.health import ROLLBACK, SKIP, Heartbeat, NonFiniteGuard, RunHealth, Watchdog, all_ranks_finite
 from sfm.train.metrics import MetricsLogger
-from sfm.train.step import TrainStep, apply_training_options, build_optimizer, lr_at
+from sfm.train.step import StepHooks, TrainStep, apply_training_options, build_optimizer, lr_at
 
 log = logging.getLogger("sfm.train.trainer")
 
@@ -91,23 +94,47 @@ class TrainSummary:
         return dataclasses.asdict(self)
 
 
+class StreamPosition:
+    """The trainer's data stream position as a checkpoint part. A position saved by another number of
+    dp ranks (a sharded run resumed on another world size) does not fit this layout's stream: it
+    starts instead where the restored step's batches of this layout begin."""
+
+    def __init__(self, trainer: "Trainer"):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, int]:
+        return self.trainer.stream.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        t = self.trainer
+        if state["world_size"] != t.layout.dp:
+            state = {"epoch": 0, "batch": t.step * t.micro_batches}
+        t.stream.load_state_dict(state)
+
+
 class Trainer:
     """One process's part of a training job. ``train()`` reads as the loop; the pieces it calls
-    build the model and its parallel shell, resume, feed the data, handle a non-finite step, and
-    export at the end."""
+    build the model and its parallel shell, feed the data, handle a non-finite step, and export at
+    the end. The checkpointer saves and restores every stateful part (:meth:`track_state`); the
+    trainer itself is one of them: its state is the step.
 
-    def __init__(self, job: dict[str, Any], cfg: JobConfig, accelerator, layout: Layout, precision: str,
-                 watchdog: Watchdog, heartbeat: Heartbeat, guard: NonFiniteGuard, faults: Faults):
-        self.job, self.cfg, self.accelerator, self.layout = job, cfg, accelerator, layout
-        self.precision, self.watchdog, self.heartbeat, self.guard, self.faults = (
-            precision, watchdog, heartbeat, guard, faults)
+    ``health``: this process's watchdog, heartbeat and non-finite guard; ``injected``: the failures
+    to inject (tests of the health handling)."""
+
+    def __init__(self, job: dict[str, Any], cfg: JobConfig, accelerator, health: RunHealth,
+                 injected: FailureInjection):
+        self.job, self.cfg, self.accelerator, self.injected = job, cfg, accelerator, injected
+        self.watchdog, self.heartbeat, self.guard = health
+        self.health = health
         self.run_root = job["run_root"]
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.layout = Layout.of(self.rank, self.world, cfg.dist.cp)
         self.main = accelerator.is_main_process
         self.strategy = cfg.dist.strategy if self.world > 1 else "single"
         self.sharded = self.strategy.startswith("fsdp2")
         self.micro_batches = max(1, cfg.train.grad_accum)
         self.step = 0  # optimiser steps done
+        self.start_step = 0  # the step this attempt started from
         self.batch = 0  # this rank's batch number in the data stream (mask noise is keyed on it)
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -115,9 +142,10 @@ class Trainer:
     def train(self) -> TrainSummary | None:
         cfg = self.cfg.train
         self.build()
-        resumed = self.resume()
-        self.open_data(resumed)
-        self.start_metrics(resumed)
+        self.open_data()
+        self.start_metrics()
+        self.track_state()
+        self.resume()
         snapshot_steps = self.snapshot_steps()
         try:
             while self.step < cfg.max_steps:
@@ -146,12 +174,12 @@ class Trainer:
                         self.export(self.snapshot_url(self.step))
                 if save_now:
                     with self.metrics.paused():
-                        self.checkpointer.save(self.step, self.checkpoint_meta())
+                        self.checkpointer.save(self.step)
                         self.watchdog.progress(self.step)
         finally:
             self.metrics.close()
             self.stream.close()
-        return self.finish(resumed, snapshot_steps)
+        return self.finish(snapshot_steps)
 
     # ---- the pieces -------------------------------------------------------------------------------
 
@@ -192,64 +220,73 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_of_step(s) / cfg.train.lr)
         torch.manual_seed(cfg.data.seed * 1000 + 17 + self.rank)
         self.checkpointer = checkpoint.Checkpointer(
-            storage.join(self.run_root, "ckpt"), acc, self.model, step_model, self.optimizer, self.scheduler,
-            sharded=self.sharded, every=cfg.train.checkpoint_every, keep=cfg.train.keep_checkpoints)
+            storage.join(self.run_root, "ckpt"), acc,
+            checkpoint.StepState(self.model, step_model, self.optimizer, self.scheduler, self.sharded), cfg.train)
         reduce_sum = (lambda t: acc.reduce(t, "sum")) if self.world > 1 else None
         self.noise_gen = torch.Generator(device=acc.device)
-        self.train_step = TrainStep(
-            step_model, self.optimizer, self.scheduler, grad_clip=cfg.train.grad_clip, autocast=acc.autocast,
-            no_sync=(lambda: strategies.no_sync(step_model)) if self.world > 1 else None, backward=acc.backward,
-            clip_grad_norm=lambda _params, max_norm: strategies.clip_grad_norm(step_model, max_norm),
-            check_finite=lambda losses, norm: all_ranks_finite(losses, norm, reduce=reduce_sum),
-            mask_noise=self.mask_noise,
-        )
+        hooks = StepHooks(
+            autocast=acc.autocast, no_sync=(lambda: strategies.no_sync(step_model)) if self.world > 1 else None,
+            backward=acc.backward, clip_grad_norm=lambda _params, max_norm: strategies.clip_grad_norm(step_model, max_norm),
+            check_finite=lambda losses, norm: all_ranks_finite(losses, norm, reduce=reduce_sum))
+        self.train_step = TrainStep(step_model, self.optimizer, self.scheduler, grad_clip=cfg.train.grad_clip,
+                                    hooks=hooks, mask_noise=self.mask_noise)
 
-    def resume(self) -> dict[str, Any] | None:
-        """Continue from the newest checkpoint every rank can read, or start (writing the job config)."""
-        resumed = self.checkpointer.load()
-        if resumed is not None:
-            self.step = int(resumed["state"]["step"])
-            self.guard.load_state_dict(resumed["state"].get("health", {}))
-            log.info("resumed from %s at step %d", resumed["url"], self.step)
-        elif self.main:
-            storage.write_bytes(storage.join(self.run_root, "job_config.json"), self.cfg.to_json().encode())
-        return resumed
-
-    def start_metrics(self, resumed: dict[str, Any] | None) -> None:
-        """Trackers, the resumed run's RNG states, and the metrics logger with the resumed history."""
-        history = resumed["state"]["history"] if resumed is not None else []
-        cfg, layout, acc = self.cfg, self.layout, self.accelerator
-        self.accelerator.init_trackers("sfm-pretrain", config={"preset": cfg.model.preset, "world_size": self.world,
-                                                               "strategy": self.strategy, "cp": layout.cp})
-        self.metrics = MetricsLogger(
-            acc, self.heartbeat, self.guard, max_steps=cfg.train.max_steps, start_step=self.step, history=history,
-            samples_per_step=self.micro_batches * cfg.data.batch_size * layout.dp,  # cp ranks share samples
-            voxels_per_sample=math.prod(cfg.data.crop),
-            flops_per_sample=train_flops_per_sample(self.mcfg),
-            peak=PeakFlops(acc.device, torch.bfloat16 if self.precision == "bf16" else torch.float32))
-        if resumed is not None and resumed["rng"] is not None:  # last: measuring the peak above draws numbers
-            checkpoint.set_rng_state(resumed["rng"])
-
-    def open_data(self, resumed: dict[str, Any] | None) -> None:
-        """This rank's batch stream, at the position saved with the checkpoint. The cp ranks of a dp
-        group draw the same crops; each reads only its inline slab of them."""
+    def open_data(self) -> None:
+        """This rank's batch stream (its position is a checkpoint part). The cp ranks of a dp group
+        draw the same crops; each reads only its inline slab of them."""
         layout = self.layout
         on_slab = {"slab": (self.slab.start, self.slab.stop)} if self.slab is not None else {}
         self.stream = training_stream(self.job["surveys"], self.cfg.data, rank=layout.dp_rank,
-                                      world_size=layout.dp, start_batch=self.step * self.micro_batches,
+                                      world_size=layout.dp,
                                       node_ranks=min(self.world, self.cfg.dist.procs_per_node),
                                       worker_init=environment_for_workers(), **on_slab)
-        state = resumed["state"].get("data") if resumed is not None else None
-        if state is not None and state.get("world_size") == layout.dp:
-            self.stream.load_state_dict(state)
         self._batches = self._feed()
+
+    def start_metrics(self) -> None:
+        """Trackers and the metrics logger (its history is a checkpoint part)."""
+        cfg, layout, acc = self.cfg, self.layout, self.accelerator
+        acc.init_trackers("sfm-pretrain", config={"preset": cfg.model.preset, "world_size": self.world,
+                                                  "strategy": self.strategy, "cp": layout.cp})
+        self.metrics = MetricsLogger(
+            acc, self.health, max_steps=cfg.train.max_steps,
+            samples_per_step=self.micro_batches * cfg.data.batch_size * layout.dp,  # cp ranks share samples
+            voxels_per_sample=math.prod(cfg.data.crop), flops_per_sample=train_flops_per_sample(self.mcfg),
+            peak=PeakFlops(acc.device, torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32))
+
+    def track_state(self) -> None:
+        """Everything a resumed run needs besides the weights, optimiser and schedule, registered with
+        the checkpointer, which saves it with every checkpoint and restores it, in this order, on a
+        resume or (what is not kept on rollback) a rollback. The data stream goes on past the bad
+        batches of a rollback, and the guard keeps counting; the RNG states are restored last."""
+        ckpt = self.checkpointer
+        ckpt.register("train", self)
+        ckpt.register("data", StreamPosition(self), keep_on_rollback=True)
+        ckpt.register("history", self.metrics)
+        ckpt.register("health", self.guard, keep_on_rollback=True)
+        ckpt.register("rng", checkpoint.RNGState(), per_rank=True, keep_on_rollback=True)
+
+    def resume(self) -> None:
+        """Continue from the newest checkpoint every rank can read, or start (writing the job config)."""
+        url = self.checkpointer.load()
+        self.start_step = self.step
+        if url is not None:
+            log.info("resumed from %s at step %d", url, self.step)
+        elif self.main:
+            storage.write_bytes(storage.join(self.run_root, "job_config.json"), self.cfg.to_json().encode())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's checkpoint part: the step, and the layout that wrote it."""
+        return {"step": self.step, "strategy": self.strategy, "world_size": self.world, "cp": self.layout.cp}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
 
     def _feed(self):
         for batch in self.stream:
             self.batch = self.stream.batch - 1
             # float16 and int8 batches cross to the device at a half or a quarter of the bytes and become
             # float32 there (int8: normalised there, sfm.data.int8_batch)
-            yield self.faults.apply(self.step + 1, batch).to(self.accelerator.device, non_blocking=True).float()
+            yield self.injected.apply(self.step + 1, batch).to(self.accelerator.device, non_blocking=True).float()
 
     def mask_noise(self, _micro: int, imgs: torch.Tensor) -> torch.Tensor:
         """The MAE mask noise [N, L] of this rank's share of the global batch at the stream's position:
@@ -266,22 +303,16 @@ class Trainer:
         """Too many non-finite steps in a row: back to the newest checkpoint; the data stream goes on
         past the bad batches."""
         with self.metrics.paused():
-            back = self.checkpointer.load()
-            if back is None:
+            url = self.checkpointer.load(rollback=True)
+            if url is None:
                 raise SFMError(f"{self.guard.consecutive} non-finite steps in a row before the first checkpoint; "
                                "lower train.lr or raise train.warmup_steps, or checkpoint sooner "
                                "(train.checkpoint_every)")
             self.guard.rolled_back()
             log.warning("rolled back to %s after %d non-finite steps in a row (rollback %d of %d); the data "
-                        "stream continues past the bad batches", back["url"], self.guard.max_consecutive,
+                        "stream continues past the bad batches", url, self.guard.max_consecutive,
                         self.guard.rollbacks, self.guard.max_rollbacks)
-            self.step = int(back["state"]["step"])
-            self.metrics.rewind(self.step, back["state"]["history"])
             self.watchdog.progress(self.step)
-
-    def checkpoint_meta(self) -> dict[str, Any]:
-        return {"data": self.stream.state_dict(), "history": self.metrics.history, "health": self.guard.state_dict(),
-                "strategy": self.strategy, "world_size": self.world, "cp": self.layout.cp}
 
     def snapshot_steps(self) -> set[int]:
         t = self.cfg.train
@@ -302,10 +333,10 @@ class Trainer:
         if self.main:
             save_model(model, url, {"job": self.cfg.to_dict()})
 
-    def finish(self, resumed: dict[str, Any] | None, snapshot_steps: set[int]) -> TrainSummary | None:
+    def finish(self, snapshot_steps: set[int]) -> TrainSummary | None:
         """Export the model, write the summary (main process), flush the trackers."""
         cfg, layout, acc = self.cfg, self.layout, self.accelerator
-        start_step = int(resumed["state"]["step"]) if resumed is not None else 0
+        start_step = self.start_step
         final_url = storage.join(self.run_root, "final")
         self.export(final_url)
         digests = replica_digests(self.model) if self.world > 1 and not self.sharded else None  # a collective
@@ -366,10 +397,9 @@ def train(job: dict[str, Any]) -> TrainSummary | None:
         heartbeat = Heartbeat(run_root, every_s=h.heartbeat_every_s, max_steps=cfg.train.max_steps, enabled=main,
                               world_size=world)
         guard = NonFiniteGuard(h.max_nonfinite_in_a_row, h.max_rollbacks)
-        faults = Faults(os.environ.get("SFM_INJECT_FAULTS", ""), run_root, enabled=main)
+        injected = FailureInjection(os.environ.get(failure_injection.ENV, ""), run_root, enabled=main)
         try:
-            summary = Trainer(job, cfg, accelerator, Layout.of(rank, world, cfg.dist.cp), precision, watchdog,
-                              heartbeat, guard, faults).train()
+            summary = Trainer(job, cfg, accelerator, RunHealth(watchdog, heartbeat, guard), injected).train()
         except BaseException as err:
             if main:
                 with contextlib.suppress(Exception):

@@ -2,7 +2,7 @@
 
 Three NaN steps in a row (12, 13, 14) roll the run back to its step-10 checkpoint; the hang at step
 17 makes the watchdog dump every thread's stack and fail the step within the configured timeout;
-``@retry`` starts it again, it resumes from the step-15 checkpoint (the faults fired once) and the
+``@retry`` starts it again, it resumes from the step-15 checkpoint (the injected failures fired once) and the
 run finishes, with the health counters in the training summary and the heartbeat.
 """
 
@@ -28,7 +28,7 @@ def test_nan_rollback_and_hang_in_the_pretrain_step_then_retry_finishes(tmp_path
     data_root = tmp_path / "data"
     config = tmp_path / "job.toml"
     config.write_text(JOB_TOML)
-    env = {**metaflow_env, "SFM_INJECT_FAULTS": "nan@12,nan@13,nan@14,hang@17"}
+    env = {**metaflow_env, "SFM_INJECT_FAILURES": "nan@12,nan@13,nan@14,hang@17"}
     result = run_flow(env, cwd=str(tmp_path), top_level={"config": [("config", str(config))]},
                       data_root=str(data_root))
     logs = result.stdout + result.stderr
@@ -43,7 +43,8 @@ def test_nan_rollback_and_hang_in_the_pretrain_step_then_retry_finishes(tmp_path
     assert summary["resumed_from_step"] == 15 and summary["steps"] == 25
     assert summary["health"] == {"skipped_nonfinite": 3, "rollbacks": 1}
     assert [h["step"] for h in summary["history"]] == list(range(1, 26))
-    run_root = Path(summary["model_url"]).parent
+    run_root = Path(view["run_root"])  # the pretrain step's artifact
+    assert summary["model_url"] == str(run_root / "final")
     beat = health.read_heartbeat(str(run_root))
     assert beat["status"] == "finished" and beat["step"] == 25 and beat["rollbacks"] == 1
     assert json.loads((run_root / "summary.json").read_text())["health"]["rollbacks"] == 1

@@ -68,7 +68,8 @@ def test_parallel_pretrain_survives_a_killed_rank_and_equals_one_process(nodes, 
     # one process, the same global batch and seed, uninterrupted
     from sfm.distributed.launch import free_port, launch_node
 
-    run_root = Path(summary["model_url"]).parent
+    run_root = Path(view["run_root"])  # the pretrain step's artifact
+    assert summary["model_url"] == str(run_root / "final")
     ref_config = json.loads((run_root / "job_config.json").read_text())
     ref_config["data"]["batch_size"] = 8
     ref_config["dist"].update(nodes=1, procs_per_node=1, cp=1)

@@ -2,7 +2,7 @@
 curve equals one process training on the same global batch with the same seed, all ranks end with
 identical full weights, and a sharded checkpoint saved mid-run (to local disk, and for fsdp2-full to
 S3 on a loopback moto_server) loads into a freshly built model and optimiser and continues exactly as
-the run that saved it; full weights load into a sharded model.
+the run that saved it.
 
 Masking is random, so each sample is one micro-batch whose masking noise is seeded by (step, global
 sample index): any split of the global batch over ranks then sees the same masks. That also runs
@@ -80,7 +80,7 @@ def worker(rank: int, port: int, out_dir: str, s3_root: str) -> None:
             optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.05)
             losses = [train_step(model, optimizer, s, rank, WORLD) for s in range(STEPS)]
             ckpt = f"{s3_root}/ckpt-{strategy}" if strategy == "fsdp2-full" else os.path.join(out_dir, f"ckpt-{strategy}")
-            parallelize.save_sharded(ckpt, model, optimizer, extra={"step": STEPS, "losses": losses})
+            parallelize.save_sharded(ckpt, model, optimizer)
             next_loss = train_step(model, optimizer, STEPS, rank, WORLD)
             weights = flat(parallelize.full_state_dict(model, rank0_only=False))
             gathered = [torch.empty_like(weights) for _ in range(WORLD)]
@@ -89,18 +89,14 @@ def worker(rank: int, port: int, out_dir: str, s3_root: str) -> None:
             # a fresh model (other initial weights) and optimiser, loaded from the checkpoint
             fresh = parallelize.apply_strategy(make_model(seed=7), strategy)
             fresh_opt = build_optimizer(fresh, lr=1e-2, weight_decay=0.05)
-            extra = parallelize.load_sharded(ckpt, fresh, fresh_opt)
+            parallelize.load_sharded(ckpt, fresh, fresh_opt)
             resumed_loss = train_step(fresh, fresh_opt, STEPS, rank, WORLD)
             resumed = flat(parallelize.full_state_dict(fresh, rank0_only=False))
-            initial = make_model().state_dict()
-            parallelize.load_full_state_dict(fresh, initial)
-            reloaded = parallelize.full_state_dict(fresh, rank0_only=False)
             results[strategy] = {
-                "losses": losses, "next_loss": next_loss, "resumed_loss": resumed_loss, "extra": extra,
+                "losses": losses, "next_loss": next_loss, "resumed_loss": resumed_loss,
                 "ranks_identical": all(torch.equal(g, gathered[0]) for g in gathered),
                 "resumed_max_diff": (resumed - weights).abs().max().item(),
-                "full_load_exact": all(torch.equal(reloaded[k], v) for k, v in initial.items()),
-                "sharded": [type(p).__name__ for p in parallelize.unwrap(model).parameters()][:1],
+                "sharded": [type(p).__name__ for p in model.parameters()][:1],
                 "weights": weights.tolist() if rank == 0 else None,
             }
             del model, optimizer, fresh, fresh_opt
@@ -136,11 +132,9 @@ def test_strategies_on_two_processes_match_one_process(tmp_path, s3_env):
         # weights to Adam's noise floor: parameters whose true gradient is 0 (the key bias, through the
         # softmax) move by lr * sign(rounding noise), which differs with the summation order
         assert torch.allclose(torch.tensor(r0["weights"]), ref_weights, rtol=1e-3, atol=1e-3), strategy
-        # sharded checkpoint round trip: same extra, same next step, same weights after it
-        assert r0["extra"] == {"step": STEPS, "losses": r0["losses"]}
+        # sharded checkpoint round trip: the same next step, the same weights after it
         assert r0["resumed_loss"] == pytest.approx(r0["next_loss"], rel=1e-6)
         assert r0["resumed_max_diff"] < 1e-6 and r1["resumed_max_diff"] < 1e-6, strategy
-        assert r0["full_load_exact"] and r1["full_load_exact"], strategy
         assert r0["sharded"] == (["DTensor"] if strategy.startswith("fsdp2") else ["Parameter"]), strategy
     assert (tmp_path / "ckpt-fsdp2-zero2" / ".metadata").is_file()
     assert len(list((tmp_path / "ckpt-fsdp2-zero2").glob("*.distcp"))) == WORLD  # one shard file per rank

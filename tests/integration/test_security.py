@@ -283,7 +283,11 @@ def _pickle_bytes(marker: Path) -> bytes:
     return buf.getvalue()
 
 
-def test_malicious_pickles_in_a_checkpoint_are_refused(tmp_path):
+def test_malicious_pickles_in_a_checkpoint_are_refused(tmp_path, caplog):
+    from accelerate import PartialState
+
+    from sfm.config import TrainConfig
+
     marker = tmp_path / "pwned"
     payload = _pickle_bytes(marker)
     torch.load(io.BytesIO(payload), weights_only=False)  # the payload is real: a plain unpickle runs it
@@ -293,14 +297,16 @@ def test_malicious_pickles_in_a_checkpoint_are_refused(tmp_path):
     root = str(tmp_path / "ckpt")
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     for step in (1, 2):
-        checkpoint.save(root, step, model.state_dict(), opt.state_dict(), {}, {"history": []}, keep=5)
+        checkpoint.save(root, step, model.state_dict(), opt.state_dict(), sched.state_dict(), {}, keep=5)
     (tmp_path / "ckpt" / "step-000002" / "optimizer.pt").write_bytes(payload)
     with pytest.raises(Exception, match="(?i)weights.only|unpickl|global"):
         checkpoint.load(checkpoint.step_dir(root, 2), rank=0)
-    warnings = []
-    resumed = checkpoint.load_latest(root, rank=0, warn=warnings.append)
-    assert resumed["state"]["step"] == 1 and "step-000002" in warnings[0]
+    checkpointer = checkpoint.Checkpointer(root, PartialState(cpu=True),
+                                           checkpoint.StepState(model, model, opt, sched, sharded=False), TrainConfig())
+    assert checkpointer.load() == checkpoint.step_dir(root, 1)
+    assert "step-000002 is unreadable" in caplog.text
     assert not marker.exists()
 
     (tmp_path / "ckpt" / "step-000001" / "model.safetensors").write_bytes(payload)  # weights as a pickle

@@ -3,7 +3,8 @@
 - ddp on 2 ranks equals one process with the same global batch (loss at every step, final
   weights), and both ranks end with identical weights;
 - fsdp2-zero2 and fsdp2-full train to the same curve, write sharded checkpoints, and a run killed
-  after its first checkpoint resumes to the weights of the uninterrupted run;
+  after its first checkpoint resumes to the one process's weights (bit for bit against an
+  uninterrupted run of the same strategy: test_train_resume.py);
 - dp=1 x cp=2 (context parallelism) equals one process on the same crops and masks, and resumes;
 - a rank killed mid-training fails the whole job within the collective timeout instead of hanging.
 """
@@ -14,17 +15,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from support.training import assert_close, env_of, final_weights, make_job, make_survey_store
+from support.training import (assert_close, children, env_of, final_weights, kill_tree, make_job, make_survey_store,
+                              start_ranks)
 
 from sfm.train import checkpoint
-from sfm.distributed.launch import free_port
 
-PROJECT = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 10, 5
 # 32^3 crops of 8^3 patches: 64 tokens; 15 kept (+ cls = 16) divides by cp = 2, so cp leaves the mask ratio as is
 MASK_RATIO = 0.765625
@@ -44,20 +43,8 @@ def job_for(store: str, run_root: Path, *, procs: int, batch: int, strategy: str
     return job
 
 
-def start(job: dict, procs: int, log: Path) -> subprocess.Popen:
-    """torchrun with ``procs`` ranks on this machine."""
-    job_path = log.with_suffix(".json")
-    job_path.write_text(json.dumps(job))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={procs}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
-           "-m", "sfm.train.trainer", str(job_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    with open(log, "wb") as fh:
-        return subprocess.Popen(cmd, cwd=PROJECT, stdout=fh, stderr=subprocess.STDOUT, env=env)
-
-
 def run(job: dict, procs: int, log: Path) -> dict:
-    proc = start(job, procs, log)
+    proc = start_ranks(job, procs, log)
     assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
     return json.loads((Path(job["run_root"]) / "summary.json").read_text())
 
@@ -133,7 +120,7 @@ def kill_after_first_checkpoint(proc: subprocess.Popen, run_root: Path, log: Pat
 def test_fsdp2_trains_like_one_process_and_resumes_from_sharded_checkpoints(strategy, survey_store, single,
                                                                             tmp_path):
     job = job_for(survey_store, tmp_path / "run", procs=2, batch=4, strategy=strategy)
-    proc = start(job, 2, tmp_path / "attempt0.log")
+    proc = start_ranks(job, 2, tmp_path / "attempt0.log")
     at_kill = kill_after_first_checkpoint(proc, tmp_path / "run", tmp_path / "attempt0.log")
     shards = checkpoint.shards_url(str(tmp_path / "run" / "ckpt"), at_kill)
     assert (Path(shards) / ".metadata").exists() and not (Path(shards).parent / "model.safetensors").exists()
@@ -150,7 +137,7 @@ def test_context_parallel_two_ranks_equal_one_process_and_resume(survey_store, s
     """dp=1 x cp=2: both ranks train on the same crops (global batch 8), each reading half of each
     crop; the run equals the one-process run, and a killed run resumes to the same weights."""
     job = job_for(survey_store, tmp_path / "run", procs=2, batch=8, cp=2)
-    proc = start(job, 2, tmp_path / "attempt0.log")
+    proc = start_ranks(job, 2, tmp_path / "attempt0.log")
     at_kill = kill_after_first_checkpoint(proc, tmp_path / "run", tmp_path / "attempt0.log")
     summary = run(job, 2, tmp_path / "attempt1.log")
     assert (summary["dp"], summary["cp"], summary["resumed_from_step"]) == (1, 2, at_kill)
@@ -165,33 +152,16 @@ def test_a_killed_rank_fails_the_job_within_the_collective_timeout(survey_store,
     job = job_for(survey_store, tmp_path / "run", procs=2, batch=4)
     job["config"]["train"]["max_steps"] = 100_000
     log = tmp_path / "run.log"
-    proc = start(job, 2, log)
+    proc = start_ranks(job, 2, log)
     ckpt = str(tmp_path / "run" / "ckpt")
     deadline = time.monotonic() + 240
     while not checkpoint.complete_steps(ckpt):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
-    rank1 = [pid for pid in _children(proc.pid) if env_of(pid).get("RANK") == "1"]
+    rank1 = [pid for pid in children(proc.pid) if env_of(pid).get("RANK") == "1"]
     assert len(rank1) == 1, rank1
     os.kill(rank1[0], signal.SIGKILL)
     killed_at = time.monotonic()
     code = proc.wait(timeout=120)
     assert code != 0
     assert time.monotonic() - killed_at < job["config"]["dist"]["timeout_s"] + 30, "the job outlived the timeout"
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL torchrun and every rank (torchrun starts each rank in a session of its own)."""
-    for p in [pid, *_children(pid)]:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _children(pid: int) -> list[int]:
-    import psutil
-
-    return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-
-

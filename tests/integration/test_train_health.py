@@ -1,10 +1,10 @@
-"""Training health in real sfm.train.trainer processes, with faults injected through SFM_INJECT_FAULTS:
+"""Training health in real sfm.train.trainer processes, with failures injected through SFM_INJECT_FAILURES:
 
 - NaN batches: each non-finite step is skipped (weights untouched); three in a row roll the run back
   to its last checkpoint; the run still finishes, with the counts in its summary and heartbeat;
   a run that keeps diverging after its rollbacks stops with one clear line;
 - a hang: the watchdog dumps every thread's stack and ends the process within the step timeout; the
-  restarted job resumes from its last checkpoint and finishes (the fault fires once per run).
+  restarted job resumes from its last checkpoint and finishes (the failure fires once per run).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ def job_for(store: str, run_root: Path, steps: int, **health_cfg) -> dict:
     return job
 
 
-def start(job: dict, log: Path, faults: str) -> subprocess.Popen:
+def start(job: dict, log: Path, failures: str) -> subprocess.Popen:
     job_path = log.with_suffix(".json")
     job_path.write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SFM_INJECT_FAULTS": faults}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SFM_INJECT_FAILURES": failures}
     with open(log, "wb") as fh:
         return subprocess.Popen([sys.executable, "-m", "sfm.train.trainer", str(job_path)], cwd=PROJECT, stdout=fh,
                                 stderr=subprocess.STDOUT, env=env)
@@ -90,7 +90,7 @@ def test_a_hang_fails_within_the_step_timeout_with_stacks_then_resumes(survey_st
     proc = start(job, log, "hang@8")
     hung_at = None
     while proc.poll() is None:
-        if hung_at is None and "injected fault: the data stops before step 8" in log.read_text():
+        if hung_at is None and "injected failure: the data stops before step 8" in log.read_text():
             hung_at = time.monotonic()
         time.sleep(0.05)
     assert hung_at is not None, log.read_text()[-3000:]
@@ -103,7 +103,7 @@ def test_a_hang_fails_within_the_step_timeout_with_stacks_then_resumes(survey_st
     assert health.read_heartbeat(str(tmp_path / "run"))["status"] == "running"  # killed, not finished
 
     log2 = tmp_path / "resume.log"
-    proc = start(job, log2, "hang@8")  # the same environment: the fault already fired in this run
+    proc = start(job, log2, "hang@8")  # the same environment: the failure already fired in this run
     assert proc.wait(timeout=240) == 0, log2.read_text()[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["resumed_from_step"] == 5 and summary["steps"] == 12

@@ -14,7 +14,7 @@ import torch
 
 from sfm.model.hardware import datasheet_peak_flops, matmul_flops
 from sfm.model import build_model, mae_config
-from sfm.train.step import TrainStep, apply_training_options, build_optimizer, lr_at, throughput
+from sfm.train.step import StepHooks, TrainStep, apply_training_options, build_optimizer, lr_at, throughput
 
 PROJECT = Path(__file__).resolve().parents[2]
 torch.set_num_threads(1)
@@ -66,7 +66,7 @@ def test_step_trains_clips_and_schedules():
         norms.append(torch.nn.utils.clip_grad_norm_(params, max_norm))
         return norms[-1]
 
-    step = TrainStep(model, opt, sched, grad_clip=0.5, clip_grad_norm=clip)
+    step = TrainStep(model, opt, sched, grad_clip=0.5, hooks=StepHooks(clip_grad_norm=clip))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = step(iter([volumes(2)]), 1)
     assert result.losses.shape == (1,) and torch.isfinite(result.losses).all() and result.applied
@@ -118,7 +118,7 @@ def test_a_non_finite_step_is_skipped_and_the_schedule_still_advances():
         seen.append((losses.clone(), norm.clone()))
         return bool(torch.isfinite(losses).all() and torch.isfinite(norm))
 
-    step = TrainStep(model, opt, sched, grad_clip=1.0, check_finite=check)
+    step = TrainStep(model, opt, sched, grad_clip=1.0, hooks=StepHooks(check_finite=check))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     bad = volumes(2)
     bad[0, 0, 0, 0, 0] = float("nan")

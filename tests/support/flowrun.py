@@ -27,7 +27,7 @@ out = {"successful": run.successful, "finished": run.finished, "steps": steps, "
 if run.successful:
     data = run["end"].task.data
     out.update({k: getattr(data, k) for k in ("train_summary", "metrics", "model_name", "model_version",
-                                                 "root", "champion", "train_stores", "held_out_stores")})
+                                                 "root", "run_root", "champion", "train_stores", "held_out_stores")})
 print("CLIENT-JSON " + json.dumps(out, default=str))
 """
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,6 +19,8 @@ from safetensors.torch import load as load_safetensors
 from sfm import storage
 from sfm.train import checkpoint
 from support.flowrun import run_flow
+
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 def make_survey_store(tmp_path_factory, seed: int) -> str:
@@ -39,6 +43,48 @@ def make_job(store: str, run_root: str, max_steps: int = 40, every: int = 5) -> 
     }
     return {"config": config, "surveys": [store], "run_root": run_root}
 
+
+
+def start_ranks(job: dict, procs: int, log: Path, env: dict | None = None) -> subprocess.Popen:
+    """``sfm.train.trainer`` on ``procs`` gloo ranks under torchrun on this machine (its job file next
+    to ``log``); stdout and stderr go to ``log``."""
+    from sfm.distributed.launch import free_port
+
+    job_path = log.with_suffix(".json")
+    job_path.write_text(json.dumps(job))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={procs}",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
+           "-m", "sfm.train.trainer", str(job_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log, "wb") as fh:
+        return subprocess.Popen(cmd, cwd=PROJECT, stdout=fh, stderr=subprocess.STDOUT, env=env)
+
+
+def children(pid: int) -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL torchrun and every rank (torchrun starts each rank in a session of its own)."""
+    for p in [pid, *children(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def assert_same_run(root: str, ref_root: str) -> None:
+    """Bit for bit the run of ``ref_root``: the final weights, and the step, the loss and nothing else
+    missing at every step of the history (speed figures aside), and the health counts."""
+    weights, ref_weights = final_weights(root), final_weights(ref_root)
+    assert weights.keys() == ref_weights.keys()
+    differ = [name for name in ref_weights if not torch.equal(weights[name], ref_weights[name])]
+    assert not differ, f"weights differ: {differ}"
+    got, ref = (json.loads(storage.read_bytes(storage.join(r, "summary.json"))) for r in (root, ref_root))
+    assert [(h["step"], h["loss"]) for h in got["history"]] == [(h["step"], h["loss"]) for h in ref["history"]]
+    assert got["health"] == ref["health"]
 
 
 def assert_close(got: torch.Tensor, ref: torch.Tensor, name: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
