@@ -140,8 +140,7 @@ class DataConfig:
                                  "crops_per_region": 1, "regions_in_flight": 0, "pool_mb": 0},
                   {"cache_mb": " (0: no brick cache)", "crops_per_region": " (1: a fetch per crop)",
                    "regions_in_flight": " (0: automatic)", "pool_mb": " (0: automatic)"})
-        if not 0 <= self.min_live_fraction <= 1:
-            raise SFMError(f"data.min_live_fraction = {self.min_live_fraction} must lie in [0, 1]")
+        _fraction("data.min_live_fraction", self.min_live_fraction, "[]", "the live share a crop needs")
         if len(self.region_bricks) != 3 or min(int(b) for b in self.region_bricks) < 1:
             raise SFMError(f"data.region_bricks = {list(self.region_bricks)} must be 3 positive brick counts, "
                            "e.g. [2, 2, 2]")
@@ -169,11 +168,9 @@ class ModelConfig:
     def check(self) -> None:
         """The masking in range, or SFMError. Whether the preset and sizes make a model is for the model layer to
         say (:func:`sfm.model.model_config_for`), called where a job starts."""
-        if not 0 < self.mask_ratio < 1:
-            raise SFMError(f"model.mask_ratio = {self.mask_ratio} must be in (0, 1): the fraction of patches masked")
-        if not 0 <= self.decoder_mask_ratio < 1:
-            raise SFMError(f"model.decoder_mask_ratio = {self.decoder_mask_ratio}: the fraction of masked patches "
-                           "the decoder skips must be in [0, 1) (0: decode every patch)")
+        _fraction("model.mask_ratio", self.mask_ratio, "()", "the fraction of patches masked")
+        _fraction("model.decoder_mask_ratio", self.decoder_mask_ratio, "[)",
+                  "the fraction of masked patches the decoder skips; 0: decode every patch")
 
 
 @dataclass
@@ -296,9 +293,8 @@ class EvalConfig:
             raise SFMError(f"eval.budgets = {list(self.budgets)} must be positive numbers of labelled volumes")
         if not self.finetune_lr > 0:
             raise SFMError(f"eval.finetune_lr = {self.finetune_lr} must be > 0")
-        if not 0 <= self.validation < 1:
-            raise SFMError(f"eval.validation = {self.validation}: the held-out fraction of each labelled volume "
-                           "must be in [0, 1) (0: no early stopping)")
+        _fraction("eval.validation", self.validation, "[)",
+                  "the held-out fraction of each labelled volume; 0: no early stopping")
 
 
 @dataclass
@@ -481,6 +477,14 @@ def _at_least(section: str, values: Any, lows: dict[str, float], hints: dict[str
         value = getattr(values, key)
         if value < low:
             raise SFMError(f"{section}.{key} = {value} must be at least {low}{(hints or {}).get(key, '')}")
+
+
+def _fraction(key: str, value: float, ends: str, meaning: str) -> None:
+    """SFMError unless ``value`` lies in [0, 1] with the ends ``ends`` says: "[]", "[)" or "()"."""
+    low_ok = 0 <= value if ends[0] == "[" else 0 < value
+    high_ok = value <= 1 if ends[1] == "]" else value < 1
+    if not (low_ok and high_ok):
+        raise SFMError(f"{key} = {value} must be in {ends[0]}0, 1{ends[1]} ({meaning})")
 
 
 def _one_of(key: str, value: Any, valid: tuple[str, ...]) -> None:

@@ -67,7 +67,7 @@ def test_values_take_the_type_of_their_field():
     ({"crop": [16, 16]}, "data.crop = [16, 16] is not a crop shape"),
     ({"align": "sideways"}, "data.align = 'sideways' is not valid; use one of voxel, brick"),
     ({"augment": "flip_inline, rotate"}, "data.augment names rotate; use any of flip_inline"),
-    ({"min_live_fraction": 1.5}, "data.min_live_fraction = 1.5 must lie in [0, 1]"),
+    ({"min_live_fraction": 1.5}, "data.min_live_fraction = 1.5 must be in [0, 1]"),
     ({"batch_dtype": "int4"}, "data.batch_dtype = 'int4' is not valid; use one of float32, float16, int8"),
     ({"client": "curl"}, "data.client = 'curl' is not valid"),
     ({"batch_size": 0}, "data.batch_size = 0 must be at least 1"),

@@ -47,3 +47,39 @@ def test_no_private_torch_module_is_imported_at_module_load():
             offenders += [f"{p.relative_to(SFM)}: {n}" for n in names
                           if n.startswith("torch") and any(part.startswith("_") for part in n.split("."))]
     assert not offenders, offenders
+
+
+def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = node.args
+    names = [*a.posonlyargs, *a.args, *a.kwonlyargs]
+    count = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+    return count - (1 if names and names[0].arg in ("self", "cls") else 0)
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    """Related settings travel as the config section (or one small object) they come from (issue 47)."""
+    wide = [f"{p.relative_to(SFM)}:{node.name} ({_parameters(node)})" for p in MODULES
+            for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _parameters(node) > 8]
+    assert not wide, wide
+
+
+def test_no_module_imports_a_private_name_of_another():
+    private = [f"{p.relative_to(SFM)}: from {node.module} import {alias.name}" for p in MODULES
+               for node in ast.walk(ast.parse(p.read_text()))
+               if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sfm")
+               for alias in node.names if alias.name.startswith("_")]
+    assert not private, private
+
+
+def test_the_config_imports_no_layer_above_it():
+    tree = ast.parse((SFM / "config.py").read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module} | \
+        {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not {m for m in imported if m.startswith(("sfm.data", "sfm.model", "sfm.ingest"))}, imported
+
+
+def test_one_rule_says_which_errors_are_worth_retrying():
+    rules = [f"{p.relative_to(SFM)}:{node.name}" for p in MODULES for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and "transient" in node.name]
+    assert rules == ["storage/retry.py:is_transient"], rules
