@@ -216,15 +216,13 @@ class PretrainFlow(FlowSpec):
 
     @step
     def end(self):
-        s = self.train_summary
-        m = self.metrics
-        gains = ", ".join(f"{k[len('ft_ap_gain_b'):]} vol {v:+.3f}" for k, v in m.items()
-                          if k.startswith("ft_ap_gain_b"))
-        print(f"trained {s['steps']} steps: loss {s['initial_loss']:.4f} -> {s['final_loss']:.4f}; "
-              f"held-out masked NMSE {m['masked_nmse']:.4f} vs zero baseline {m['baseline_zero_nmse']:.4f}; "
-              f"{'fine-tuned AP gain over random init: ' + gains + '; ' if gains else ''}"
-              f"registered {self.model_name} v{self.model_version}")
+        from sfm import pipeline
+        from sfm.config import JobConfig
 
+        for line in pipeline.closing_lines(self.train_summary, self.metrics, JobConfig.from_dict(self.job), self.root,
+                                           {"model_name": self.model_name, "version": self.model_version,
+                                            "champion": self.champion}):
+            print(line)
 
 if __name__ == "__main__":
     PretrainFlow()

@@ -44,7 +44,7 @@ def _cmd_ingest(args: argparse.Namespace) -> None:
                                 endian=args.endian, chunk=args.chunk, dtype=args.dtype, codec=args.codec,
                                 max_sparsity=args.max_sparsity, layout=args.layout, domain=args.domain,
                                 nonfinite="refuse" if args.refuse_nonfinite else "replace",
-                                progress=sys.stderr.isatty())
+                                progress=True)
         except SFMError as err:
             if len(args.src) == 1:
                 raise

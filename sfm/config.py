@@ -191,6 +191,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     log_every: int = 10
+    log_every_s: float = 30.0  # without a terminal (a flow task, a Slurm log): a plain progress line this often
     threads_per_process: int = 0  # 0: torch's default
     init_from: str = ""  # URL of a registered/exported model to continue pretraining from
     snapshots: tuple[float, ...] = ()  # fractions of max_steps at which the model is also exported (snapshots/step-N)
@@ -200,6 +201,8 @@ class TrainConfig:
         _at_least("train", self, {"max_steps": 1, "warmup_steps": 0, "grad_accum": 1, "checkpoint_every": 1,
                                   "keep_checkpoints": 0, "log_every": 1},
                   {"max_steps": "; pass a positive --max-steps"})
+        if not self.log_every_s > 0:
+            raise SFMError(f"train.log_every_s = {self.log_every_s} must be positive (seconds between progress lines)")
         if not (self.lr > 0 and self.min_lr >= 0):
             raise SFMError(f"train.lr = {self.lr} must be > 0 and train.min_lr = {self.min_lr} >= 0")
         if any(not 0 < f < 1 for f in self.snapshots):

@@ -150,7 +150,7 @@ def ingest(part: dict[str, Any], cfg: JobConfig) -> dict[str, Any]:
     """One write task: the shards of one part of a survey (nothing for a survey published before)."""
     from sfm.ingest.parts import write_part
 
-    return write_part(part, cfg.ingest)
+    return write_part(part, cfg.ingest, progress=True)  # plain lines in a flow task, a bar on a terminal
 
 
 def publish(parts: list[dict[str, Any]], data_root: str) -> list[dict[str, Any]]:
@@ -266,3 +266,30 @@ def register(data_root: str, cfg: JobConfig, *, model_url: str, metrics: dict, r
     print(f"sfm register: {cfg.registry.model_name} v{record['version']}"
           f"{' (champion)' if record['champion'] else ''} at {registry.version_url(data_root, cfg.registry.model_name, record['version'])}")
     return record
+
+
+# The gain the quality configuration last measured (BENCHMARKS.md "Quality"; a test holds the two equal), which the
+# demo's closing line points a newcomer to: its own tiny model is too small for pretraining to help.
+QUALITY_COMMAND = "python flows/pretrain_flow.py --config config configs/quality_cpu.toml run"
+QUALITY_GAINS = {1: "+0.084", 4: "+0.106"}  # labelled volumes -> mean fine-tuned AP gain over random init
+
+
+def closing_lines(summary: dict, metrics: dict, cfg: JobConfig, data_root: str, registered: dict) -> list[str]:
+    """What a pretraining run ends with: what it trained, where the registered model is and how to load it, and
+    what its downstream figure means (the demo's tiny model cannot show what pretraining buys: the quality
+    configuration measures it). ``registered``: {"model_name", "version", "champion"}."""
+    name, version = registered["model_name"], registered["version"]
+    gains = ", ".join(f"{k[len('ft_ap_gain_b'):]} vol {v:+.3f}" for k, v in metrics.items()
+                      if k.startswith("ft_ap_gain_b"))
+    lines = [f"trained {summary['steps']} steps: loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}; "
+             f"held-out masked NMSE {metrics['masked_nmse']:.4f} vs zero baseline {metrics['baseline_zero_nmse']:.4f}"
+             + (f"; fine-tuned AP gain over random init: {gains}" if gains else ""),
+             f"registered {name} v{version}{' (champion)' if registered['champion'] else ''} at "
+             f"{storage.join(data_root, 'registry', name, f'v{version}')}; export it with: sfm registry load "
+             f"--data-root {data_root} --model {name} --version {version} --out DIR"]
+    if cfg.model.preset == "tiny":
+        measured = ", ".join(f"{g} at {n} labelled volume{'s' if n > 1 else ''}" for n, g in QUALITY_GAINS.items())
+        lines.append(f"this demo's {cfg.train.max_steps}-step tiny model is too small for pretraining to help, so its "
+                     f"gain means nothing; the quality configuration measures what pretraining buys (last measured: "
+                     f"{measured}; BENCHMARKS.md \"Quality\"): {QUALITY_COMMAND}")
+    return lines

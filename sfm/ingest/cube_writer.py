@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ from sfm import storage
 from sfm.config import IngestConfig
 from sfm.ingest.contracts import validate
 from sfm.errors import SFMError
+from sfm.progress import Progress
 from sfm.ingest.segy import SegyLayout
 from sfm.ingest.segy_geometry import SurveyGeometry, cdp_coordinates
 from sfm.ingest import mdio_layout
@@ -240,7 +240,7 @@ def write_columns(group: GroupWriter, plan: StorePlan, layout: SegyLayout, colum
             return moments
 
         done: list[Moments] = []
-        bar = _progress(len(units), layout.name, progress)
+        bar = Progress(len(units), f"ingest {layout.name}", unit="column", enabled=progress)
 
         def collect(moments: Moments) -> None:
             done.append(moments)
@@ -387,19 +387,3 @@ def _encode(column: np.ndarray, live: np.ndarray, plan: StorePlan, buffers) -> n
     if rest:
         stored[-1, :, :, rest:] = hole
     return stored
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, name: str, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=f"ingest {name}", unit="column", file=sys.stderr, leave=False)

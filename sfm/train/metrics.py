@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 from typing import Any
 
 import torch
 
 from sfm.model.hardware import PeakFlops
+from sfm.progress import DEFAULT_EVERY_S, Progress
 from sfm.train.step import throughput
 
 
@@ -26,9 +26,7 @@ class MetricsLogger:
     """
 
     def __init__(self, accelerator, health, *, max_steps: int, samples_per_step: int, voxels_per_sample: int,
-                 flops_per_sample: float, peak: PeakFlops):
-        from tqdm import tqdm
-
+                 flops_per_sample: float, peak: PeakFlops, every_s: float = DEFAULT_EVERY_S):
         self.accelerator, self.heartbeat, self.guard = accelerator, health.heartbeat, health.guard
         self.history: list[dict] = []
         self.samples_per_step, self.voxels_per_sample = samples_per_step, voxels_per_sample
@@ -36,8 +34,8 @@ class MetricsLogger:
         self.pending: list[torch.Tensor] = []  # mean loss of each step since history was last written
         self.started = time.perf_counter()
         self._window_start, self._window_steps, self._paused = self.started, 0, 0.0
-        self.bar = tqdm(total=max_steps, disable=not accelerator.is_main_process,
-                        desc="pretrain", mininterval=2, file=sys.stderr)
+        # a bar on a terminal, a plain line every ``every_s`` seconds in a flow task or a Slurm log
+        self.progress = Progress(max_steps, "pretrain", every_s=every_s, enabled=accelerator.is_main_process)
 
     def record(self, losses: torch.Tensor) -> None:
         """One applied or skipped step's per-micro-batch losses."""
@@ -63,8 +61,10 @@ class MetricsLogger:
         metrics = {"loss": float("nan") if loss is None else loss, "lr": lr, **speed}
         self.history[-1].update({k: v for k, v in metrics.items() if k != "loss"})
         self.accelerator.log(metrics, step=step)
-        self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}", sps=f"{speed['samples_per_s']:.1f}",
-                             vox=f"{speed['voxels_per_s'] / 1e6:.1f}M", mfu=f"{mfu:.1%}" if mfu is not None else "-")
+        self.progress.set(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}",
+                          **{"samples/s": f"{speed['samples_per_s']:.1f}",
+                             "voxels/s": f"{speed['voxels_per_s'] / 1e6:.1f}M",
+                             "MFU": f"{mfu:.1%}" if mfu is not None else "-"})
         self.heartbeat.beat(step, loss=metrics["loss"], samples_per_s=speed["samples_per_s"],
                             skipped_nonfinite=self.guard.skipped, rollbacks=self.guard.rollbacks)
         self._window_start, self._window_steps, self._paused = time.perf_counter(), 0, 0.0
@@ -85,8 +85,7 @@ class MetricsLogger:
         """Continue from a checkpoint's history (a resume or a rollback): the steps it holds are done."""
         self.pending.clear()
         self.history = list(history)
-        self.bar.reset(total=self.bar.total)
-        self.bar.update(history[-1]["step"] if history else 0)
+        self.progress.reset(history[-1]["step"] if history else 0)
 
     def latest(self) -> dict[str, Any]:
         """The last logged speed figures (empty before the first log)."""
@@ -94,4 +93,4 @@ class MetricsLogger:
         return tail[-1] if tail else {}
 
     def close(self) -> None:
-        self.bar.close()
+        self.progress.close()

@@ -168,7 +168,7 @@ class Trainer:
                     self.metrics.flush(self.step)
                 if log_now:
                     self.metrics.log(self.step, self.scheduler.get_last_lr()[0])
-                self.metrics.bar.update(1)
+                self.metrics.progress.update(1)
                 if self.step in snapshot_steps and not last:
                     with self.metrics.paused():
                         self.export(self.snapshot_url(self.step))
@@ -251,7 +251,8 @@ class Trainer:
             acc, self.health, max_steps=cfg.train.max_steps,
             samples_per_step=self.micro_batches * cfg.data.batch_size * layout.dp,  # cp ranks share samples
             voxels_per_sample=math.prod(cfg.data.crop), flops_per_sample=train_flops_per_sample(self.mcfg),
-            peak=PeakFlops(acc.device, torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32))
+            peak=PeakFlops(acc.device, torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32),
+            every_s=cfg.train.log_every_s)
 
     def track_state(self) -> None:
         """Everything a resumed run needs besides the weights, optimiser and schedule, registered with

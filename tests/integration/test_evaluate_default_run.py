@@ -55,7 +55,7 @@ def default_run(tmp_path_factory):
         for key, value in saved.items():
             os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
     assert result.status == "successful", result.stderr[-5000:]
-    return {"env": env, "cwd": str(home), "pathspec": result.pathspec,
+    return {"env": env, "cwd": str(home), "pathspec": result.pathspec, "stdout": result.stdout,
             "view": client_view(result.pathspec, env, cwd=str(home))}
 
 
@@ -174,3 +174,27 @@ def test_default_run_reports_the_downstream_evaluation(default_run):
         assert m[f"ft_ap_gain_b{b}"] == pytest.approx(sum(gains) / 3)
         assert m[f"ft_all_seeds_gain_b{b}"] == all(g > 0 for g in gains)
     print(f"demo downstream: {({k: round(v, 4) for k, v in m.items() if k.startswith('ft_ap')})}")
+
+
+def test_the_demo_ends_saying_where_the_model_is_and_what_its_gain_means(default_run):
+    """The last lines a newcomer reads: the registered version's folder and how to export it, and that the tiny
+    demo model's gain means nothing, with the command that measures the gain and its last measured figure."""
+    from sfm.pipeline import QUALITY_COMMAND, QUALITY_GAINS
+
+    tail = default_run["stdout"].strip().splitlines()[-3:]
+    version_dir = Path(default_run["view"]["root"]) / "registry" / "sfm-mae" / "v1"
+    assert any(f"registered sfm-mae v1 (champion) at {version_dir}" in line and "sfm registry load" in line
+               for line in tail), tail
+    assert "tiny model is too small for pretraining to help" in tail[-1] and tail[-1].endswith(QUALITY_COMMAND)
+    assert all(f"{gain} at {n} labelled volume" in tail[-1] for n, gain in QUALITY_GAINS.items()), tail[-1]
+
+
+def test_the_demo_points_to_the_gain_the_report_holds():
+    """The figure the demo's last line quotes is the quality table's current fine-tuned gain (BENCHMARKS.md)."""
+    from sfm.pipeline import QUALITY_GAINS
+
+    report = (Path(__file__).resolve().parents[2] / "BENCHMARKS.md").read_text()
+    for n, gain in QUALITY_GAINS.items():
+        row = "fine-tuned AP gain at 1 labelled volume" if n == 1 else f"the same at {n} volumes"
+        line = next(line for line in report.splitlines() if line.startswith(f"| {row}"))
+        assert line.split("|")[2].strip().startswith(gain), (line, gain)
