@@ -5,8 +5,15 @@ config`` ends with), DeepSpeed JSON files, and the environment ``accelerate laun
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
+
+with warnings.catch_warnings():  # accelerate.commands imports PyYAML's old _yaml location, which warns
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from accelerate.commands import launch as accelerate_launch
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
 # what `accelerate config` writes for a local machine besides the distributed type and its section
 COMMON = dict(compute_environment="LOCAL_MACHINE", num_processes=2, machine_rank=0, num_machines=1,
@@ -24,8 +31,6 @@ def write_config(path: Path, distributed_type: str = "MULTI_GPU", **settings: An
     """An Accelerate config file at ``path`` (YAML; JSON when it ends in .json) as Accelerate writes it:
     ``COMMON`` with ``settings`` on top (a None value leaves the key out, as ``accelerate config`` does for
     mixed precision beside a DeepSpeed JSON)."""
-    from accelerate.commands.config.config_args import ClusterConfig
-
     merged = {**COMMON, "distributed_type": distributed_type, **settings}
     config = ClusterConfig(**{k: v for k, v in merged.items() if v is not None or k == "mixed_precision"})
     if path.suffix == ".json":
@@ -46,9 +51,7 @@ def launch_environment(*launch_args: str) -> dict[str, str]:
     default config this machine has."""
     from unittest import mock
 
-    from accelerate.commands import launch
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
-
+    launch = accelerate_launch
     args = launch.launch_command_parser().parse_args([*launch_args, "-m", "sfm.train.trainer", "job.json"])
     with mock.patch.object(launch, "default_config_file", "/nonexistent/default_config.yaml"):  # this machine's
         args, defaults, precision_from_config = launch._validate_launch_command(args)
@@ -63,11 +66,9 @@ def launch_environment(*launch_args: str) -> dict[str, str]:
 
 def launch_arguments(command: list[str]) -> Any:
     """Accelerate's reading of an ``accelerate launch`` command line (what it passes to torchrun)."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
-
     start = command.index("accelerate.commands.launch") + 1
-    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(command[start:]))
+    args, _, _ = accelerate_launch._validate_launch_command(accelerate_launch.launch_command_parser().parse_args(
+        command[start:]))
     if args.multi_gpu:
         args.environment = prepare_multi_gpu_env(args)
     return args
