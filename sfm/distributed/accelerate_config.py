@@ -166,7 +166,8 @@ def settle(cfg: JobConfig, mapped: Mapped, where: str, running: dict[str, Any] |
                 raise SFMError(f"{where}: {s.source} means {s.key} = {s.value!r}, but the job has {s.key} = "
                                f"{current!r}; make them agree (or leave the job's setting at its default)")
             cfg.set(s.key, s.value)
-    return mapped.settings + _global_batch(cfg, mapped.global_batch, where, fill=running is None)
+    micro = any(s.key == "data.batch_size" for s in mapped.settings)
+    return mapped.settings + _global_batch(cfg, mapped.global_batch, where, fill=running is None and not micro)
 
 
 def read_config(url: str) -> dict[str, Any]:
@@ -209,8 +210,9 @@ def _get(cfg: JobConfig, key: str) -> Any:
 
 
 def _global_batch(cfg: JobConfig, tbs: Setting | None, where: str, *, fill: bool) -> list[Setting]:
-    """DeepSpeed's ``train_batch_size`` against the job: data.batch_size x train.grad_accum x dp. Without a
-    micro batch in the file (``fill``), it gives data.batch_size instead; returns what it set."""
+    """DeepSpeed's ``train_batch_size`` against the job: data.batch_size x train.grad_accum x dp. With
+    ``fill`` (a file without a micro batch) it gives a data.batch_size still at its default instead;
+    returns what it set."""
     if tbs is None:
         return []
     d = cfg.dist
@@ -240,7 +242,7 @@ class _Mapper:
     # ---- naming, refusing, setting
     def source(self, key: str, value: Any) -> str:
         name = self.names.get(key)
-        return f"{name}={value}" if name else f"{key}: {json.dumps(value)}"
+        return f"{name}={value}" if name else f"{key}: {json.dumps(value, default=str)}"
 
     def refuse(self, key: str, value: Any, why: str) -> NoReturn:
         raise SFMError(f"{self.where}: {self.source(key, value)} {why}")
@@ -430,7 +432,7 @@ class _JsonMapper:
         self.where = f"{url} (the deepspeed_config_file of {parent.where})"
 
     def refuse(self, key: str, value: Any, why: str) -> NoReturn:
-        raise SFMError(f"{self.where}: {key}: {json.dumps(value)} {why}")
+        raise SFMError(f"{self.where}: {key}: {json.dumps(value, default=str)} {why}")
 
     def set(self, job_key: str, value: Any, key: str, raw: Any) -> None:
         self.parent.out.settings.append(Setting(job_key, value, f"{self.url}: {key}: {json.dumps(raw)}"))

@@ -91,7 +91,7 @@ def test_the_job_keeps_what_it_sets_and_takes_the_rest(tmp_path):
 @pytest.mark.parametrize("case", [
     "conflict-nodes", "conflict-strategy", "conflict-precision", "fsdp1", "offload", "size-wrap", "layer-class",
     "full-state-dict", "fp16", "zero1", "ds-offload", "zero3-init", "ds-beside-file", "precision-beside-file",
-    "ds-optimizer", "ds-tuning", "ds-batch", "ds-fp16", "indivisible", "unknown-key", "xla", "sagemaker",
+    "ds-optimizer", "ds-tuning", "ds-batch", "ds-micro-and-global", "ds-fp16", "indivisible", "unknown-key", "xla", "sagemaker",
     "dynamo", "parallelism", "gpu-ids", "debug", "use-cpu-on-gpus", "fsdp-under-ddp", "missing-json"])
 def test_what_cannot_be_honoured_is_refused_in_one_line(case, tmp_path):
     yaml = tmp_path / "accel.yaml"
@@ -139,6 +139,8 @@ def test_what_cannot_be_honoured_is_refused_in_one_line(case, tmp_path):
                               "train_batch_size": 32}), {},
                      "train_batch_size: 32 must equal data.batch_size x train.grad_accum x data-parallel ranks, but "
                      "the job has 4 x 1 x 2 = 8"),
+        "ds-micro-and-global": (ds_file({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 8,
+                                         "train_batch_size": 32}), {}, "train_batch_size: 32 must equal"),
         "ds-fp16": (ds_file({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}), {},
                     "fp16.enabled: true is not a precision sfm trains in"),
         "indivisible": ({"num_machines": 2, "num_processes": 3}, {}, "num_processes: 3 (over all machines) does not "

@@ -38,6 +38,8 @@ def test_a_node_is_launched_as_accelerate_reads_its_launch_config(tmp_path):
         if nodes > 1:  # what torchrun gets: this node's rank, the main node's address, the port
             assert (args.nnodes, args.nproc_per_node, args.node_rank, args.master_addr, args.master_port) == \
                 ("2", "1", 1, "10.1.2.3", str(port))
+        elif procs > 1:
+            assert (args.nproc_per_node, args.master_port) == ("4", str(port))
         if args.multi_gpu:  # the processes' environment passes the trainer's check, whatever the strategy
             for strategy in ("ddp", "fsdp2-full"):
                 environ = {k: v for k, v in args.environment.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
