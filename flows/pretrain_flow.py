@@ -6,6 +6,9 @@
         --cp 2                                             # 32 ranks: 16 dp groups x 2 context-parallel ranks
     python flows/pretrain_flow.py run --surveys s3://b/landing/big.sgy,... --ingest-parts 32
                                                            # each survey scanned and written by up to 32 tasks
+    python flows/pretrain_flow.py run --launcher accelerate --accelerate-config fsdp2.yaml
+                                                           # accelerate launch on every node; the Accelerate
+                                                           # config's FSDP2, precision and sizes mapped at start
     python flows/pretrain_flow.py resume                   # after a failure: training continues from its checkpoint
 
 Each step calls one function of ``sfm.pipeline`` and keeps only small artifacts (URLs, ids, metrics).
@@ -67,6 +70,13 @@ class PretrainFlow(FlowSpec):
                    "default: the config's [dist] cp")
     strategy = Parameter("strategy", default=config_expr("job_of(config).dist.strategy"),
                          help="data-parallel strategy: ddp | fsdp2-zero2 | fsdp2-full; default: the config's")
+    launcher = Parameter("launcher", default=config_expr("job_of(config).dist.launcher"),
+                         help="what starts each node's training processes: torchrun | accelerate (accelerate "
+                         "launch); default: the config's [dist] launcher")
+    accelerate_config = Parameter("accelerate-config", default=config_expr("job_of(config).dist.accelerate_config"),
+                                  help="an Accelerate config file (as `accelerate config` writes it) mapped onto "
+                                  "the job at start: precision, machines, processes, FSDP2 or DeepSpeed ZeRO "
+                                  "stage; a conflicting one is refused; default: the config's [dist]")
     ingest_parts = Parameter("ingest-parts", default=0, type=int,
                              help="tasks to split each survey's ingest into (whole 4 GiB pieces to scan, whole shard "
                              "rows to write); 0: the config's [ingest] parts, or one per [ingest] part_gb GB")
@@ -79,9 +89,10 @@ class PretrainFlow(FlowSpec):
         from sfm.config import JobConfig
 
         with user_errors():
-            self.job = pipeline.job_config(dict(self.config), preset=self.preset, max_steps=self.max_steps,
-                                           nodes=self.nodes, procs_per_node=self.procs_per_node, cp=self.cp,
-                                           strategy=self.strategy).to_dict()
+            self.job = pipeline.job_config(dict(self.config), pipeline.Overrides(
+                preset=self.preset, max_steps=self.max_steps, nodes=self.nodes, procs_per_node=self.procs_per_node,
+                cp=self.cp, strategy=self.strategy, launcher=self.launcher,
+                accelerate_config=self.accelerate_config)).to_dict()
             self.root = storage.normalize(self.data_root)
             self.job = pipeline.resolve_init_from(JobConfig.from_dict(self.job), self.init_from, self.root).to_dict()
             self.plan = pipeline.plan_surveys(self.surveys, self.held_out, self.root,

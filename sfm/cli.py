@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from sfm.config import INGEST_DTYPES, IngestConfig
+from sfm.config import INGEST_DTYPES, LAUNCHERS, IngestConfig
 from sfm.errors import SFMError
 
 
@@ -152,11 +152,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _job_config(args: argparse.Namespace):
+    """The job of `sfm train` / `sfm slurm-script`: the TOML config, the overrides and flags on top, then the
+    Accelerate config it names mapped onto it (a conflict is refused here, before anything starts)."""
     from sfm import pipeline
     from sfm.config import JobConfig
 
-    return pipeline.with_overrides(JobConfig.from_toml(args.config or None, args.overrides), cp=args.cp,
-                                   strategy=args.strategy)
+    return pipeline.with_overrides(JobConfig.from_toml(args.config or None, args.overrides), pipeline.Overrides(
+        nodes=args.nodes, procs_per_node=args.procs_per_node, cp=args.cp, strategy=args.strategy,
+        launcher=args.launcher, accelerate_config=args.accelerate_config))
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
@@ -168,17 +171,22 @@ def _cmd_train(args: argparse.Namespace) -> None:
     cfg = _job_config(args)
     run_root = storage.normalize(args.run_root)
     surveys = slurm.training_surveys(surveys=args.surveys, data_root=args.data_root, held_out=args.held_out)
-    node = launch.NodeLaunch(nodes=args.nodes or cfg.dist.nodes, procs_per_node=args.procs_per_node or
-                             cfg.dist.procs_per_node, node_rank=args.node_rank, main_addr=args.main_addr,
-                             main_port=args.main_port or launch.port_for(run_root))
+    node = launch.NodeLaunch(nodes=cfg.dist.nodes, procs_per_node=cfg.dist.procs_per_node, node_rank=args.node_rank,
+                             main_addr=args.main_addr, main_port=args.main_port or launch.port_for(run_root))
     job = launch.node_job(cfg, surveys, run_root, node)
-    if args.dry_run:  # the launch plan, with the cluster environment as this node's processes would see it
+    if args.dry_run:  # the launch plan: the command, its launch files, the job, the cluster environment
         import os
+        import tempfile
 
         from sfm.ops.cluster import node_environment
 
         env = {key: os.environ.get(key) for key in node_environment(cfg.cluster)}
-        print(json.dumps({"launch_node": vars(node), "job": job, "environment": env}))
+        with tempfile.TemporaryDirectory(prefix="sfm-launch-") as tmp:
+            command = launch.node_command(job, node, tmp)
+            files = {name: open(os.path.join(tmp, name)).read() for name in sorted(os.listdir(tmp))
+                     if name != "job.json"}
+        print(json.dumps({"launch_node": vars(node), "command": command, "launch_files": files, "job": job,
+                          "environment": env}))
         return
     result = launch.train_node(job, node)
     if result is not None:
@@ -196,10 +204,9 @@ def _cmd_slurm_script(args: argparse.Namespace) -> None:
     cfg = _job_config(args)
     opts = slurm.SbatchOptions(
         data_root=storage.normalize(args.data_root) if args.data_root else "", run_root=storage.normalize(args.run_root),
-        nodes=args.nodes or cfg.dist.nodes, procs_per_node=args.procs_per_node or cfg.dist.procs_per_node,
-        surveys=args.surveys, held_out=args.held_out, job_name=args.job_name, partition=args.partition,
-        account=args.account, time=args.time, output=args.log, requeue_before_s=args.requeue_before,
-        setup=args.setup, auto_resume=args.auto_resume)
+        nodes=cfg.dist.nodes, procs_per_node=cfg.dist.procs_per_node, surveys=args.surveys, held_out=args.held_out,
+        job_name=args.job_name, partition=args.partition, account=args.account, time=args.time, output=args.log,
+        requeue_before_s=args.requeue_before, setup=args.setup, auto_resume=args.auto_resume)
     script = slurm.render_sbatch(cfg, opts, command_line=shlex.join(["sfm", *sys.argv[1:]]))
     if args.out == "-":
         sys.stdout.write(script)
@@ -225,6 +232,13 @@ def _job_arguments(p: argparse.ArgumentParser) -> None:
                    "divide by it (default: the config's [dist] cp)")
     p.add_argument("--strategy", default="", choices=["", "ddp", "fsdp2-zero2", "fsdp2-full"],
                    help="data-parallel strategy (default: the config's [dist] strategy)")
+    p.add_argument("--launcher", default="", choices=["", *LAUNCHERS],
+                   help="what starts each node's processes: torchrun, or accelerate (accelerate launch) "
+                   "(default: the config's [dist] launcher)")
+    p.add_argument("--accelerate-config", default="", metavar="FILE",
+                   help="an Accelerate config file (as `accelerate config` writes it) mapped onto the job: precision, "
+                   "machines, processes, FSDP2 or DeepSpeed ZeRO stage; a conflicting one is refused "
+                   "(default: the config's [dist] accelerate_config)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,6 +27,7 @@ CLIENTS = ("auto", "http", "obstore", "fsspec")  # data.client: how the loader r
 BATCH_DTYPES = ("float32", "float16", "int8")  # data.batch_dtype: the crops' value type (int8: stored values)
 STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")  # dist.strategy: what sfm.distributed.strategies applies
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer (see sfm.train.muon)
+LAUNCHERS = ("torchrun", "accelerate")  # dist.launcher: what starts a node's processes (sfm.distributed.launch)
 
 
 @dataclass
@@ -218,6 +219,10 @@ class DistConfig:
     timeout_s: int = 300  # collectives (and rendezvous) fail after this: a dead rank never hangs the job
     strategy: str = "ddp"  # ddp | fsdp2-zero2 | fsdp2-full (see sfm.distributed.strategies)
     cp: int = 1  # context-parallel ranks per volume (dp = world size / cp); see sfm.distributed.context_parallel
+    launcher: str = "torchrun"  # torchrun | accelerate (accelerate launch with a config of sfm's own)
+    # an Accelerate config file (`accelerate config` writes it, YAML or JSON, local or s3://) mapped onto
+    # this job where the job starts, or refused (sfm.distributed.accelerate_config); "": none
+    accelerate_config: str = ""
 
     def check(self) -> None:
         """The strategy and cp valid, or SFMError; how they fit the job is :meth:`JobConfig.check_parallelism`'s."""
@@ -228,6 +233,7 @@ class DistConfig:
             raise SFMError(f"dist.strategy = {self.strategy!r} is not a strategy; use one of {', '.join(STRATEGIES)}")
         if self.cp < 1:
             raise SFMError(f"dist.cp = {self.cp} must be at least 1")
+        _one_of("dist.launcher", self.launcher, LAUNCHERS)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,23 +21,40 @@ from sfm.errors import SFMError
 HELD_OUT_SEED = 500  # generated held-out surveys: seeds 500, 501, ...; training surveys 0, 1, ...
 
 
-def with_overrides(cfg: JobConfig, *, cp: int = 0, strategy: str = "", preset: str = "", max_steps: int = 0
-                   ) -> JobConfig:
-    """``cfg`` with the explicit parameters of the flow or the CLI on top (0 or "": the config's)."""
-    for key, value in (("dist.cp", cp), ("dist.strategy", strategy), ("model.preset", preset),
-                       ("train.max_steps", max_steps)):
+@dataclass
+class Overrides:
+    """The explicit parameters of the flow or the CLI, on top of the TOML config (0 or "": the config's)."""
+
+    preset: str = ""
+    max_steps: int = 0
+    nodes: int = 0
+    procs_per_node: int = 0
+    cp: int = 0
+    strategy: str = ""
+    launcher: str = ""
+    accelerate_config: str = ""
+
+
+def with_overrides(cfg: JobConfig, overrides: Overrides) -> JobConfig:
+    """``cfg`` with the explicit parameters of the flow or the CLI on top, then the Accelerate config file it
+    names mapped onto it (:func:`sfm.distributed.accelerate_config.apply`: a conflict is refused here, before
+    any work)."""
+    from sfm.distributed import accelerate_config
+
+    o = overrides
+    for key, value in (("dist.nodes", o.nodes), ("dist.procs_per_node", o.procs_per_node), ("dist.cp", o.cp),
+                       ("dist.strategy", o.strategy), ("dist.launcher", o.launcher),
+                       ("dist.accelerate_config", o.accelerate_config), ("model.preset", o.preset),
+                       ("train.max_steps", o.max_steps)):
         if value:
             cfg.set(key, value)
+    accelerate_config.apply(cfg)
     return cfg
 
 
-def job_config(config: dict | None, *, preset: str = "", max_steps: int = 0, nodes: int = 1,
-               procs_per_node: int = 1, cp: int = 0, strategy: str = "") -> JobConfig:
-    """The resolved job config: the TOML config, then the flow's explicit parameters on top."""
-    cfg = with_overrides(JobConfig.from_dict(config or {}), cp=cp, strategy=strategy, preset=preset,
-                         max_steps=max_steps)
-    cfg.set("dist.nodes", nodes)
-    cfg.set("dist.procs_per_node", procs_per_node)
+def job_config(config: dict | None, overrides: Overrides | None = None) -> JobConfig:
+    """The resolved job config: the TOML config, then the flow's explicit parameters on top, checked."""
+    cfg = with_overrides(JobConfig.from_dict(config or {}), overrides or Overrides())
     if cfg.dist.nodes < 1 or cfg.dist.procs_per_node < 1:
         raise SFMError("--nodes and --procs-per-node must be at least 1")
     cfg.validate()

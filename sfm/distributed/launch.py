@@ -1,10 +1,11 @@
-"""Start the training processes of one node with torchrun, the rendezvous given by the caller.
+"""Start the training processes of one node with torchrun or ``accelerate launch`` (``[dist] launcher``),
+the rendezvous given by the caller.
 
 :func:`train_node` runs one node's share of a job: the flow's ``@parallel`` pretrain step calls it on
 every node with the main node's address from ``current.parallel``, ``sfm train`` by hand or on each node
 of a Slurm job (under srun). Each node runs ``procs_per_node`` processes of
-``python -m sfm.train.trainer JOB.json``; all state lives under the job's run root, so running the same
-node again continues from the newest checkpoint.
+``python -m sfm.train.trainer JOB.json`` (:func:`node_command`); all state lives under the job's run root,
+so running the same node again continues from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -14,18 +15,17 @@ import functools
 import hashlib
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from sfm import storage
+from sfm.config import JobConfig
 from sfm.errors import SFMError
-
-if TYPE_CHECKING:
-    from sfm.config import JobConfig
 
 
 def free_port() -> int:
@@ -69,35 +69,66 @@ def _port_taken(addr: str, port: int) -> bool:
 
 def launch_node(job: dict[str, Any], *, nodes: int, procs_per_node: int, node_rank: int, main_addr: str,
                 main_port: int, timeout_s: int | None = None) -> None:
-    """Run this node's share of the training job; raises if any of its processes fails.
+    """Run this node's share of the training job with its launcher (:func:`node_command`); raises if any of
+    its processes fails.
 
     A single-node job whose ``main_port`` is already taken on this machine (by a listener of some other
     program) rendezvouses on a free port instead: no other node has to agree on it."""
     if nodes == 1 and _port_taken(main_addr, main_port):
         main_port = free_port()
+    node = NodeLaunch(nodes, procs_per_node, node_rank, main_addr, main_port)
     with tempfile.TemporaryDirectory(prefix="sfm-launch-") as tmp:
-        job_path = os.path.join(tmp, "job.json")
-        with open(job_path, "w") as fh:
-            json.dump(job, fh)
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={nodes}", f"--nproc-per-node={procs_per_node}", f"--node-rank={node_rank}",
-            f"--master-addr={main_addr}", f"--master-port={main_port}",
-            "--max-restarts=0", "-m", "sfm.train.trainer", job_path,
-        ]
+        cmd = node_command(job, node, tmp)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // procs_per_node)))
         # idle OpenMP threads sleep rather than spin: on a CPU shared with other work (data loading,
         # other jobs) spinning threads starve their siblings (BENCHMARKS.md "Training (issue 5)")
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env["PYTHONUNBUFFERED"] = "1"
+        launcher = launcher_of(job)
+        print(f"sfm: node {node_rank} of {nodes} starts {procs_per_node} process(es) with {launcher}: "
+              f"{shlex.join(cmd)}", file=sys.stderr, flush=True)
         try:
             proc = subprocess.run(cmd, env=env, timeout=timeout_s)
         except subprocess.TimeoutExpired as err:
             raise RuntimeError(f"training on node {node_rank} exceeded {timeout_s}s") from err
         if proc.returncode != 0:
-            raise SFMError(f"training failed on node {node_rank} (torchrun exit {proc.returncode}); "
+            raise SFMError(f"training failed on node {node_rank} ({launcher} exit {proc.returncode}); "
                            "see the log above, then resume the run to continue from the last checkpoint")
+
+
+def launcher_of(job: dict[str, Any]) -> str:
+    """The job's ``dist.launcher`` (a job file's config may leave out what it does not change)."""
+    return JobConfig.from_dict(job.get("config")).dist.launcher
+
+
+def node_command(job: dict[str, Any], node: NodeLaunch, folder: str) -> list[str]:
+    """The command that starts ``node``'s processes of ``job`` (``python -m sfm.train.trainer JOB.json``
+    each), its files written to ``folder``: the job file, and for ``dist.launcher = "accelerate"`` the
+    Accelerate launch config (:func:`sfm.distributed.accelerate_launch.launch_config`), given as a file so
+    that no ``default_config.yaml`` of the node's applies."""
+    job_path = os.path.join(folder, "job.json")
+    with open(job_path, "w") as fh:
+        json.dump(job, fh)
+    trainer = ["-m", "sfm.train.trainer", job_path]
+    cfg = JobConfig.from_dict(job.get("config"))
+    if cfg.dist.launcher == "accelerate":
+        import torch
+        import yaml
+
+        from sfm.distributed.accelerate_launch import launch_config, precision_of
+
+        precision = precision_of(cfg.train, torch.cuda.is_available())
+        config_path = os.path.join(folder, "accelerate_launch.yaml")
+        with open(config_path, "w") as fh:
+            yaml.safe_dump(launch_config(node, precision), fh)
+        # --same_network: torchrun meets at main_addr:main_port (the file's value is read only without the flag's
+        # default, which argparse always gives)
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_path, "--same_network",
+                "--max_restarts", "0", *trainer]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={node.nodes}",
+            f"--nproc-per-node={node.procs_per_node}", f"--node-rank={node.node_rank}",
+            f"--master-addr={node.main_addr}", f"--master-port={node.main_port}", "--max-restarts=0", *trainer]
 
 
 @dataclass

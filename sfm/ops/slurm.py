@@ -1,12 +1,14 @@
 """Training outside Metaflow: the surveys ``sfm train`` trains on, and the sbatch script that runs
 ``sfm train`` on every node of a Slurm allocation (``sfm slurm-script``), e.g. on SageMaker HyperPod Slurm.
 
-``sfm train`` runs one node's share of the job (:func:`sfm.distributed.launch.train_node`): torchrun starts
-``procs_per_node`` processes of ``python -m sfm.train.trainer`` that rendezvous with the other nodes at
-``main_addr:main_port``. All state lives under ``run_root`` (checkpoints in ``<run_root>/ckpt``), so running
-the same command again -- by hand, or by Slurm after a requeue -- continues from the newest checkpoint.
+``sfm train`` runs one node's share of the job (:func:`sfm.distributed.launch.train_node`): torchrun or
+``accelerate launch`` (``[dist] launcher``) starts ``procs_per_node`` processes of ``python -m
+sfm.train.trainer`` that rendezvous with the other nodes at ``main_addr:main_port``. All state lives under
+``run_root`` (checkpoints in ``<run_root>/ckpt``), so running the same command again -- by hand, or by
+Slurm after a requeue -- continues from the newest checkpoint.
 
-The sbatch script (:func:`render_sbatch`) holds the resolved job config and, on every node under
+The sbatch script (:func:`render_sbatch`) holds the resolved job config (an Accelerate config file it named
+already mapped into it, so the nodes need not see the file) and, on every node under
 ``srun``, runs ``sfm train`` with the rendezvous taken from the allocation: the first host of
 ``scontrol show hostnames $SLURM_JOB_NODELIST``, ``$SLURM_NNODES``, ``$SLURM_NODEID`` and a port
 derived from the job id. ``#SBATCH --requeue`` plus ``--signal=B:USR1@<s>`` and a trap that calls
@@ -99,7 +101,8 @@ class SbatchOptions:
 
 
 def render_sbatch(cfg: JobConfig, opts: SbatchOptions, command_line: str = "") -> str:
-    """The sbatch script for ``opts.nodes`` nodes x ``opts.procs_per_node`` processes of this job."""
+    """The sbatch script for ``opts.nodes`` nodes x ``opts.procs_per_node`` processes of this job (``cfg``
+    resolved: :func:`sfm.pipeline.with_overrides` has mapped its Accelerate config file into it)."""
     if opts.nodes < 1 or opts.procs_per_node < 1:
         raise SFMError(f"--nodes {opts.nodes} and --procs-per-node {opts.procs_per_node} must be at least 1")
     for flag, url in (("--run-root", opts.run_root), ("--data-root", opts.data_root)):
@@ -114,6 +117,8 @@ def render_sbatch(cfg: JobConfig, opts: SbatchOptions, command_line: str = "") -
 
     cfg.set("dist.nodes", opts.nodes)
     cfg.set("dist.procs_per_node", opts.procs_per_node)
+    mapped_from = cfg.dist.accelerate_config
+    cfg.set("dist.accelerate_config", "")  # mapped into the config below (sfm.distributed.accelerate_config.apply)
     gpus = cfg.cluster.gpu
     q = shlex.quote
     sbatch = [f"--job-name={opts.job_name}", f"--nodes={opts.nodes}", "--ntasks-per-node=1", "--exclusive",
@@ -131,6 +136,8 @@ def render_sbatch(cfg: JobConfig, opts: SbatchOptions, command_line: str = "") -
     return _SBATCH.format(
         sbatch="\n".join(f"#SBATCH {line}" for line in sbatch),
         command_line=command_line or "sfm slurm-script",
+        mapped=f"\n# Accelerate config {mapped_from}: its settings are in the job config below" if mapped_from else "",
+        launcher=cfg.dist.launcher,
         exports="\n".join(f"export {k}={q(v)}" for k, v in env.items()) or "# (none: [cluster] sets no EFA or env)",
         config=cfg.to_toml(),
         run_root=q(opts.run_root), data_args=data_args, procs=opts.procs_per_node,
@@ -139,8 +146,9 @@ def render_sbatch(cfg: JobConfig, opts: SbatchOptions, command_line: str = "") -
 
 
 _SBATCH = """#!/bin/bash
-# Written by: {command_line}
-# Multi-node MAE pretraining: the same `sfm train` on every node of the allocation, under srun.
+# Written by: {command_line}{mapped}
+# Multi-node MAE pretraining: the same `sfm train` on every node of the allocation, under srun; each
+# starts its processes with {launcher}.
 #   sbatch THIS_SCRIPT                 submit
 #   SFM_DRY_RUN=1 bash THIS_SCRIPT     with SLURM_JOB_ID, SLURM_JOB_NODELIST, SLURM_NNODES set: print each
 #                                      node's launch plan instead of training

@@ -1,11 +1,12 @@
-"""MAE pretraining on Hugging Face Accelerate; one process per device, launched by torchrun.
+"""MAE pretraining on Hugging Face Accelerate; one process per device, launched by torchrun or
+``accelerate launch`` (:mod:`sfm.distributed.launch`).
 
 :class:`Trainer` is the loop (build, resume, step, log, checkpoint, export); its components are
 :class:`sfm.train.step.TrainStep` (one optimiser step), :class:`sfm.train.checkpoint.Checkpointer` (which
 saves and restores every stateful part registered with it), :class:`sfm.train.metrics.MetricsLogger` and
 the health parts of :mod:`sfm.train.health`.
 
-``python -m sfm.train.trainer JOB.json`` (under ``torchrun``, or alone for one process) trains on the surveys named in the job file and
+``python -m sfm.train.trainer JOB.json`` (under ``torchrun`` or ``accelerate launch``, or alone for one process) trains on the surveys named in the job file and
 writes under its ``run_root``::
 
     job_config.json        the resolved JobConfig (written first)
@@ -41,6 +42,7 @@ from sfm import storage
 from sfm.config import JobConfig
 from sfm.data import training_stream
 from sfm.distributed import strategies
+from sfm.distributed.accelerate_launch import check_environment, precision_of
 from sfm.distributed.launch import environment_for_workers
 from sfm.distributed.layout import Layout, cp_group, replica_digests
 from sfm.errors import SFMError
@@ -376,8 +378,10 @@ def train(job: dict[str, Any]) -> TrainSummary | None:
     cfg = JobConfig.from_dict(job["config"])
     run_root = job["run_root"]
     cuda = torch.cuda.is_available()
-    precision = cfg.train.mixed_precision if cfg.train.mixed_precision != "auto" else ("bf16" if cuda else "no")
+    precision = precision_of(cfg.train, cuda)
     backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if cuda else "gloo")
+    # started by accelerate launch: its ACCELERATE_* settings must be the job's, which the trainer applies
+    check_environment(cfg, os.environ, cuda=cuda, precision=precision)
     # under torchrun: one process group over all ranks; run directly: a single process, no group.
     # The timeout bounds every collective: a dead rank fails the others instead of hanging them.
     group = [InitProcessGroupKwargs(backend=backend, timeout=dt.timedelta(seconds=cfg.dist.timeout_s))]

@@ -20,15 +20,17 @@ def test_job_settings_are_validated_with_the_key_and_the_fix():
                           (dict(config={"model": {"decoder_mask_ratio": 0.5}}, cp=2, procs_per_node=2),
                            "not implemented with dist.cp = 2"),
                           (dict(config={"train": {"optimizer": "sgd"}}), "train.optimizer = 'sgd' is not valid"),
+                          (dict(launcher="mpirun"), "dist.launcher = 'mpirun' is not valid; use one of torchrun, "
+                           "accelerate"),
                           (dict(config={"train": {"optimizer": "muon"}}, strategy="fsdp2-full", procs_per_node=2),
                            "fsdp2-full's shards do not hold; use dist.strategy = ddp")):
         config = kwargs.pop("config", {})
         with pytest.raises(SFMError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
-            pipeline.job_config(config, **kwargs)
+            pipeline.job_config(config, pipeline.Overrides(**kwargs))
     pipeline.job_config({})  # the defaults pass
     assert pipeline.job_config({"model": {"decoder_mask_ratio": 0.5}}).model.decoder_mask_ratio == 0.5
     pipeline.job_config({"ingest": {"dtype": "int8"}, "data": {"batch_dtype": "int8"}})
-    pipeline.job_config({"train": {"optimizer": "muon"}}, procs_per_node=2)  # DDP holds whole matrices
+    pipeline.job_config({"train": {"optimizer": "muon"}}, pipeline.Overrides(procs_per_node=2))  # DDP: whole matrices
 
 
 def test_keys_no_release_reads_are_unknown():
