@@ -1,7 +1,6 @@
 """The one typed job configuration: dataclasses filled from TOML plus ``section.key=value`` overrides.
 
-Every run writes its resolved config (``JobConfig.to_dict()``) next to its outputs.
-The defaults are the embedded demo: tiny model, CPU, a short run.
+Every run writes its resolved config (``JobConfig.to_dict()``) next to its outputs. Defaults: the demo's.
 """
 
 from __future__ import annotations
