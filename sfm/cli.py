@@ -96,6 +96,21 @@ def _cmd_registry(args: argparse.Namespace) -> None:
                           "parameters": sum(p.numel() for p in model.parameters()), "saved_to": args.out or None}))
 
 
+def _cmd_predict(args: argparse.Namespace) -> None:
+    """Predict a survey with a task model: one JSON line on stdout, one summary line on stderr."""
+    from sfm.predict import PredictOptions, predict
+
+    opts = PredictOptions(model=args.model, survey=args.survey, out=args.out, data_root=args.data_root,
+                          output=args.output, mirror=args.mirror, layout=args.layout, segy=args.segy, parts=args.parts,
+                          overlap=args.overlap, batch_size=args.batch_size, device=args.device)
+    result = predict(opts, part=args.part, progress=sys.stderr.isatty())
+    print(json.dumps(result))
+    done = "published" if result["published"] else f"part {args.part} of {result['parts']} written (not published yet)"
+    print(f"sfm predict: {result['out']} {done}: {len(result['ran'])} part(s) run, {len(result['reused'])} reused, "
+          f"{result['voxels'] / 1e6:.1f} M voxels in {result['seconds']:.1f}s "
+          f"({result['voxels'] / max(result['cpu_s'], 1e-9) / 1e6:.2f} M voxels per CPU second)", file=sys.stderr)
+
+
 def _cmd_watch(args: argparse.Namespace) -> None:
     """Start a flow run (or publish an Argo Event) for each batch of new surveys in the landing prefix."""
     from sfm.ops.watch import FLOW_FILE, WatchOptions, watch
@@ -235,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_data_commands(sub)
     _add_model_commands(sub)
+    _add_predict_command(sub)
     _add_run_commands(sub)
     return parser
 
@@ -331,6 +347,37 @@ def _add_model_commands(sub) -> None:
     p.add_argument("--allow-egress", action="append", metavar="CIDR:PORT",
                    help="more egress, e.g. the Metaflow metadata service (repeatable)")
     p.set_defaults(func=_cmd_network_policy)
+
+
+def _add_predict_command(sub) -> None:
+    """predict: a task model over a whole survey, into a prediction store (README "Predicting a survey")."""
+    from sfm.predict.parts import LAYOUTS, OUTPUTS, PredictOptions
+
+    p = sub.add_parser("predict", help="predict a whole survey with a task model, into a store on its grid "
+                       "(and optionally a SEG-Y)")
+    p.add_argument("--model", required=True, help="NAME[:vN|:latest|:champion] in the registry (e.g. sfm-faults:v3; "
+                   "NAME alone: its champion), or an exported task model's folder URL")
+    p.add_argument("--survey", required=True, help="the survey store's URL (what `sfm ingest` printed)")
+    p.add_argument("--out", required=True, help="the prediction store's URL (local path or s3://); must not exist")
+    p.add_argument("--data-root", default=PredictOptions.data_root, help="where --model NAME is registered "
+                   f"(default {PredictOptions.data_root}, the flows' default)")
+    p.add_argument("--output", choices=OUTPUTS, default=PredictOptions.output,
+                   help="probability (float32; binary tasks: of class 1) or classes (uint8)")
+    p.add_argument("--mirror", action="store_true", help="test-time mirroring: each window also seen flipped along "
+                   "the inlines and crosslines (and swapped), averaged; 4-8x the work")
+    p.add_argument("--layout", choices=LAYOUTS, default=PredictOptions.layout,
+                   help="sfm (default), or mdio: also what MDIO's tools read and export (needs a survey ingested "
+                        "with --layout mdio, or an MDIO store)")
+    p.add_argument("--segy", default="", help="also write a SEG-Y here, with the source's trace headers")
+    p.add_argument("--parts", type=int, default=PredictOptions.parts, help="split the survey into this many parts "
+                   "(runs of whole shard rows) for separate tasks or GPUs")
+    p.add_argument("--part", type=int, default=None, help="run only this part (0..parts-1) and publish nothing; "
+                   "without it every part not yet written runs, then the store is published")
+    p.add_argument("--overlap", type=float, default=PredictOptions.overlap,
+                   help="overlap of neighbouring windows, a fraction of the crop (default 0.5)")
+    p.add_argument("--batch-size", type=int, default=PredictOptions.batch_size, help="windows per network call")
+    p.add_argument("--device", default=PredictOptions.device, help="auto (a GPU if there is one), cpu, cuda or cuda:N")
+    p.set_defaults(func=_cmd_predict)
 
 
 def _add_run_commands(sub) -> None:
