@@ -51,8 +51,8 @@ class PredictFlow(FlowSpec):
         from sfm.predict.store import staged_plan
 
         with user_errors():
-            self.result = run_part(staged_plan(self.store_url), self.input)
-        print(f"sfm predict: part {self.input + 1} of {len(self.part_ids)}: {self.result}")
+            self.part = run_part(staged_plan(self.store_url), self.input)
+        print(f"sfm predict: part {self.input + 1} of {len(self.part_ids)}: {self.part}")
         self.next(self.publish)
 
     @step
@@ -61,7 +61,7 @@ class PredictFlow(FlowSpec):
         from sfm.predict.store import staged_plan
 
         self.merge_artifacts(inputs, include=["store_url", "part_ids"])
-        self.results = sorted((i.result for i in inputs), key=lambda r: r["part"])
+        self.results = sorted((i.part for i in inputs), key=lambda r: r["part"])
         with user_errors():
             self.attrs = publish_prediction(staged_plan(self.store_url))
         self.next(self.end)

@@ -257,6 +257,7 @@ def publish(plan: PredictionPlan) -> dict[str, Any]:
             stats["count"], stats["mean"], merged["m2"], stats["min"], stats["max"])})
         written = mdio_layout.root_attributes(attrs, plan.settings["axis"])
         written["attributes"]["defaultVariableName"] = plan.variable
+    written = json.loads(json.dumps(written, sort_keys=True))  # the same bytes whichever task publishes
     validate("prediction_store", written, f"prediction store {plan.out}")
     if not storage.is_s3(plan.out):  # what killed writers left (never zarr keys, but not part of the store)
         from pathlib import Path
