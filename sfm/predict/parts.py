@@ -204,7 +204,8 @@ def predict(opts: PredictOptions, part: int | None = None, progress: bool = Fals
     done = [r for r in runs if not r.get("reused")]
     result = {"out": plan.out, "parts": len(plan.rows), "ran": [r["part"] for r in done],
               "reused": [r["part"] for r in runs if r.get("reused")],
-              "windows": sum(r["windows"] for r in done), "voxels": sum(r["voxels"] for r in done)}
+              "windows": sum(r["windows"] for r in done), "voxels": sum(r["voxels"] for r in done),
+              **{k: round(sum(r[k] for r in done), 3) for k in ("model_cpu_s", "window_cpu_s")}}
     if part is None:
         attrs = publish_prediction(plan)
         result.update(published=True, variable=plan.variable, stats=attrs["stats"], segy=plan.settings["segy"] or None)

@@ -136,23 +136,29 @@ def predict_rows(grid: WindowGrid, band: InlineBand, blender: SlabBlender, run: 
 
     starts = grid.axes[0].reaching(blender.lo, blender.hi)
     batch = np.empty((batch_size, 1, *grid.crop), np.float32)
-    windows, model_s, clock = 0, 0.0, time.perf_counter()
+    windows, clock = 0, time.perf_counter()
+    spent = {"model_s": 0.0, "model_cpu_s": 0.0, "window_cpu_s": 0.0}  # this thread's, see the return
     for n, i in enumerate(tqdm(starts, desc=progress, unit="row", disable=not progress, leave=False)):
         band.need(i, i + grid.crop[0], ahead=True)
         row = grid.row(i)
         for first in range(0, len(row), batch_size):
             chunk = row[first:first + batch_size]
+            cpu = time.thread_time()
             for m, origin in enumerate(chunk):
                 band.cut(origin, batch[m, 0])
-            tick = time.perf_counter()
+            tick, cut = time.perf_counter(), time.thread_time()
             probs = run(batch[:len(chunk)])
-            model_s += time.perf_counter() - tick
+            spent["model_s"] += time.perf_counter() - tick
+            model = time.thread_time()
             for origin, p in zip(chunk, probs):
                 blender.add(origin, p, grid.weight(origin))
+            spent["model_cpu_s"] += model - cut
+            spent["window_cpu_s"] += (cut - cpu) + (time.thread_time() - model)
             windows += len(chunk)
         blender.flush(starts[n + 1] if n + 1 < len(starts) else blender.hi, write)
-    return {"windows": windows, "model_s": model_s, "wall_s": time.perf_counter() - clock,
-            "bytes_read": band.bytes_read}
+    # model_cpu_s: this thread's CPU in the network (all of it when torch runs on one thread); window_cpu_s: in
+    # cutting windows out and blending them in (the work that grows with the windows per voxel)
+    return {"windows": windows, **spent, "wall_s": time.perf_counter() - clock, "bytes_read": band.bytes_read}
 
 
 class RowWriter:
