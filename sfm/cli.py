@@ -63,6 +63,18 @@ def _cmd_ingest(args: argparse.Namespace) -> None:
         raise SFMError(f"{len(failures)} of {len(args.src)} sources failed (see the lines above): {', '.join(failures)}")
 
 
+def _cmd_ingest_labels(args: argparse.Namespace) -> None:
+    """One JSON line: the label set's manifest row and whether it was ingested or existed."""
+    from sfm.ingest.labels import ingest_labels
+
+    row = ingest_labels(args.labels, args.survey, args.out, ignore=args.ignore, variable=args.variable, name=args.name)
+    row.pop("label_mask")
+    print(json.dumps(row, default=str))
+    print(f"sfm ingest-labels: {row['name']} -> {row['store_url']} ({row['status']}): {row['labelled_voxels']} "
+          f"labelled voxels on {row['labelled_inlines']} inlines, classes {row['classes']}, {row['seconds']:.1f}s",
+          file=sys.stderr)
+
+
 def _cmd_registry(args: argparse.Namespace) -> None:
     """list: one JSON line per version; show: the record; promote: force a version to champion; load: build
     the model (files checked against their sha256) and, with --out, export it byte for byte."""
@@ -275,6 +287,17 @@ def _add_data_commands(sub) -> None:
     p.add_argument("--domain", default=IngestConfig.domain,
                    help="the sample axis, time (default) or depth: its name in the mdio layout")
     p.set_defaults(func=_cmd_ingest)
+
+    p = sub.add_parser("ingest-labels", help="a label volume aligned with a published survey (SEG-Y with its "
+                       "geometry, .npy on its grid, or a Zarr/MDIO integer variable) -> a label store in the manifest")
+    p.add_argument("labels", help="the label file or store (local path or s3:// URL)")
+    p.add_argument("--survey", required=True, help="the survey it labels: its survey id in --out, or its store URL")
+    p.add_argument("--out", default="sfm_data", help="data root holding the survey (default sfm_data, as the flows)")
+    p.add_argument("--ignore", type=int, default=None, help="the value of samples nobody interpreted (255 always is)")
+    p.add_argument("--variable", default="", help="Zarr/MDIO: the variable holding the labels (default: the only "
+                   "integer 3-D one)")
+    p.add_argument("--name", default="", help="display name (default: the file name)")
+    p.set_defaults(func=_cmd_ingest_labels)
 
 
 def _add_model_commands(sub) -> None:

@@ -27,6 +27,7 @@ CLIENTS = ("auto", "http", "obstore", "fsspec")  # data.client: how the loader r
 BATCH_DTYPES = ("float32", "float16", "int8")  # data.batch_dtype: the crops' value type (int8: stored values)
 STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")  # dist.strategy: what sfm.distributed.strategies applies
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer (see sfm.train.muon)
+LABEL_IGNORE = 255  # label stores' value of voxels nobody interpreted (uint8: classes 0..254; sfm.ingest.labels)
 
 
 @dataclass
