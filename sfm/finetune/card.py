@@ -9,7 +9,7 @@ import numpy as np
 from PIL import Image
 
 from sfm.config import LABEL_IGNORE
-from sfm.eval.card import colorize
+from sfm.eval.card import SCALE, colorize
 
 PALETTE = np.array([(0.15, 0.15, 0.15), (0.95, 0.15, 0.1), (0.1, 0.45, 0.95), (0.1, 0.75, 0.2), (0.95, 0.75, 0.1),
                     (0.7, 0.2, 0.8), (0.1, 0.8, 0.8), (0.6, 0.4, 0.2)])  # class k: PALETTE[k % 8]
@@ -24,7 +24,7 @@ def section(volume: np.ndarray, axis: int, index: int) -> np.ndarray:
 
 def picture(rgb: np.ndarray) -> Image.Image:
     img = Image.fromarray((np.clip(rgb, 0, 1) * 255).round().astype(np.uint8), mode="RGB")
-    return img.resize((img.width * 2, img.height * 2), Image.NEAREST)
+    return img.resize((img.width * SCALE, img.height * SCALE), Image.NEAREST)  # as colorize draws
 
 
 def classes_image(classes: np.ndarray) -> Image.Image:
