@@ -11,9 +11,20 @@ Each step calls one function of ``sfm.predict`` and keeps only small artifacts (
 """
 
 from metaflow import FlowSpec, Parameter, retry, step
+from metaflow.exception import MetaflowException
 
-from sfm.ops.flow_errors import user_errors
 from sfm.predict.parts import PredictOptions
+
+
+class SFMInputError(MetaflowException):
+    headline = "sfm input error"
+
+
+def user_errors():
+    """Report errors the user can fix as one line (no traceback); bugs keep theirs."""
+    from sfm.errors import reported_as
+
+    return reported_as(SFMInputError)
 
 
 class PredictFlow(FlowSpec):

@@ -15,12 +15,23 @@ import tomllib
 
 from metaflow import (Config, FlowSpec, Parameter, card, config_expr, current, environment, parallel, resources,
                       retry, schedule, step, trigger)
+from metaflow.exception import MetaflowException
 
 # used by the config expressions below
 from sfm.ops.cluster import job_of, kubernetes_placement, node_environment, pod_resources  # noqa: F401
 from sfm.config import DEFAULT_TOML
-from sfm.ops.flow_errors import user_errors
 from sfm.ops.schedule import schedule_cron, trigger_event  # noqa: F401
+
+
+class SFMInputError(MetaflowException):
+    headline = "sfm input error"
+
+
+def user_errors():
+    """Report errors the user can fix as one line (no traceback); bugs keep theirs."""
+    from sfm.errors import reported_as
+
+    return reported_as(SFMInputError)
 
 
 @schedule(cron=config_expr("schedule_cron(config)"), daily=config_expr("schedule_cron(config) is not None"))

@@ -68,8 +68,9 @@ def _port_taken(addr: str, port: int) -> bool:
 
 
 def launch_node(job: dict[str, Any], *, nodes: int, procs_per_node: int, node_rank: int, main_addr: str,
-                main_port: int, timeout_s: int | None = None) -> None:
-    """Run this node's share of the training job; raises if any of its processes fails.
+                main_port: int, timeout_s: int | None = None, module: str = "sfm.train.trainer") -> None:
+    """Run this node's share of the training job; raises if any of its processes fails. Each process runs
+    ``python -m <module> JOB.json`` (pretraining; the fine-tune flow's is ``sfm.finetune.job``).
 
     A single-node job whose ``main_port`` is already taken on this machine (by a listener of some other
     program) rendezvouses on a free port instead: no other node has to agree on it."""
@@ -83,7 +84,7 @@ def launch_node(job: dict[str, Any], *, nodes: int, procs_per_node: int, node_ra
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={nodes}", f"--nproc-per-node={procs_per_node}", f"--node-rank={node_rank}",
             f"--master-addr={main_addr}", f"--master-port={main_port}",
-            "--max-restarts=0", "-m", "sfm.train.trainer", job_path,
+            "--max-restarts=0", "-m", module, job_path,
         ]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // procs_per_node)))

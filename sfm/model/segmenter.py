@@ -26,11 +26,12 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import nn
 
+from sfm.config import LABEL_IGNORE
+
 from .mae import MAEConfig, MaskedAutoencoder3D
 
 HEADS = ("linear", "unetr")
 KINDS = ("binary", "classes")
-IGNORE = 255  # label value of voxels nobody interpreted (label stores are uint8: classes 0..254)
 DECODER_KEYS = ("mae.decoder_", "mae.mask_token")  # the MAE's reconstruction decoder: not exported
 
 
@@ -41,7 +42,7 @@ class Task:
     kind: str = "binary"  # "binary": one logit per voxel (class 1 against 0); "classes": one per class
     classes: int = 2  # label classes 0..classes-1 (2 for binary)
     head: str = "linear"  # "linear" (per token) or "unetr" (light decoder over several blocks)
-    ignore: int = IGNORE  # label value left out of the loss and the scores
+    ignore: int = LABEL_IGNORE  # label value left out of the loss and the scores
     width: int = 16  # channels of the unetr decoder
     taps: tuple[int, ...] = ()  # encoder blocks the unetr decoder reads (empty: 4 evenly spaced, the last included)
 
