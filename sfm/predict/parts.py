@@ -130,6 +130,10 @@ def plan_prediction(opts: PredictOptions) -> PredictionPlan:
         raise SFMError(f"--segy {settings['segy']} already exists; choose another file, or remove it first")
     plan = PredictionPlan(out, survey, resolved, storage.normalize(opts.data_root) if model.name else "",
                           opts.output, shape, bricks, shards, [tuple(r) for r in rows], settings, identity)
+    if plan.settings["segy"]:
+        from sfm.predict.segy_export import header_source
+
+        header_source(plan)  # refused now, not after the work
     group, survey_attrs, _ = store.open_source(survey)
     plan.settings["axis"] = store.output_axis(group, survey_attrs, opts.layout)
     writer = store.create_arrays(plan)
@@ -158,7 +162,8 @@ def run_part(plan: PredictionPlan, part: int, device: str = "auto", progress: bo
     cpu, clock = time.process_time(), time.perf_counter()
     model = load_task_model(plan.model, plan.data_root, device_of(device))
     if plan.attrs["model"]["sha256"] != model.sha256:
-        raise SFMError(f"{plan.model} changed since prediction {plan.out} was planned; remove {plan.out} and predict again")
+        raise SFMError(f"{plan.model} changed since prediction {plan.out} was planned; remove {plan.out} and "
+                       "predict again")
     lo, hi = plan.inlines(part)
     crop = tuple(plan.settings["crop"])
     data = DataConfig(crop=(1, 1, 1))
@@ -170,8 +175,9 @@ def run_part(plan: PredictionPlan, part: int, device: str = "auto", progress: bo
     writer = RowWriter(plan.group().shards(plan.variable), plan.variable, surveys[0].trace_mask, plan.shards)
     views = mirrorings(crop) if plan.settings["mirror"] else [(False, False, False)]
     try:
+        label = f"predict part {part + 1}/{len(plan.rows)}" if progress else ""
         counts = predict_rows(grid, band, blender, lambda imgs: window_probabilities(model, imgs, views), writer,
-                              int(plan.settings["batch_size"]), f"predict part {part + 1}/{len(plan.rows)}" if progress else "")
+                              int(plan.settings["batch_size"]), label)
     finally:
         band.close()
     summary = {"part": part, "inlines": [lo, hi], "voxels": (hi - lo) * math.prod(plan.shape[1:3]), **counts,

@@ -59,32 +59,41 @@ class Columns:
 
 
 def predicted(plan: PredictionPlan):
-    """The predicted variable (3D: the SEG-Y export needs one value per sample), opened without the root
-    ``zarr.json`` (not written yet)."""
+    """The predicted variable, opened without the root ``zarr.json`` (not written yet)."""
     import zarr
 
-    if len(plan.shape) != 3:
-        raise SFMError(f"--segy writes one value per sample, and {plan.out} holds {plan.shape[3]} class "
-                       "probabilities; predict with --output classes, or without --segy")
     return zarr.open_array(storage.zarr_store(plan.out, read_only=True), path=plan.variable, mode="r")
 
 
-def export_segy(plan: PredictionPlan, target: str) -> str:
-    """Write the prediction of ``plan`` as the SEG-Y file ``target`` (local or s3://); returns which headers
-    it carries: "source SEG-Y" or "store headers"."""
-    values = predicted(plan)
+def header_source(plan: PredictionPlan):
+    """Where the export's trace headers come from: ``("source", URL of the source SEG-Y)`` or ``("store", the
+    group holding MDIO's headers)``; SFMError when neither can serve, or the prediction is not one value per
+    sample. Checked when the prediction is planned, before any work."""
+    if len(plan.shape) != 3:
+        raise SFMError(f"--segy writes one value per sample, and a prediction of {plan.shape[3]} class "
+                       "probabilities has several; predict with --output classes, or without --segy")
     group, attrs, mdio = store.open_source(plan.survey)
     source = attrs.get("source_url", "")
     if attrs.get("source_kind") != "mdio" and _source_intact(source, attrs):
-        _write_atomically(target, lambda path: _from_source(plan, values, source, path))
-        return "source SEG-Y"
+        return "source", source
     holder = group if "headers" in group else mdio if mdio is not None and "headers" in mdio else None
     if holder is None or "segy_file_header" not in holder:
         raise SFMError(f"--segy needs the survey's trace headers: its source {source} is gone or changed, and "
                        f"{plan.survey} keeps no headers (ingested with --layout sfm); restore the SEG-Y, or "
                        "re-ingest it with --layout mdio")
-    _write_atomically(target, lambda path: _from_headers(plan, values, holder, path))
-    return "store headers"
+    return "store", holder
+
+
+def export_segy(plan: PredictionPlan, target: str) -> str:
+    """Write the prediction of ``plan`` as the SEG-Y file ``target`` (local or s3://); returns which headers
+    it carries: "source" (the source SEG-Y's) or "store" (an MDIO-layout store's)."""
+    values = predicted(plan)
+    kind, where = header_source(plan)
+    if kind == "source":
+        _write_atomically(target, lambda path: _from_source(plan, values, where, path))
+    else:
+        _write_atomically(target, lambda path: _from_headers(plan, values, where, path))
+    return kind
 
 
 def _source_intact(url: str, attrs: dict) -> bool:

@@ -156,7 +156,8 @@ def create_arrays(plan: PredictionPlan):
         new_dims = [out_axis if d in SAMPLE_AXES else d for d in (arr.metadata.dimension_names or ())]
         writer.create_array(out_axis if name in SAMPLE_AXES else name, values, shape=values.shape,
                             chunks=values.shape, dtype=values.dtype, fill_value=0, dimension_names=new_dims,
-                            attributes=dict(arr.attrs), compressors=BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"))
+                            attributes=dict(arr.attrs),
+                            compressors=BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"))
     if mdio_layout:
         _create_headers(writer, group if "headers" in group else mdio, plan)
     writer.put(layout_of=[plan.variable])

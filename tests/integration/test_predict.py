@@ -23,7 +23,7 @@ import zarr
 from support import ingest_cases as cases
 from support.predict_reference import SurveyValues, blended
 
-from sfm import cli, registry
+from sfm import cli, registry, storage
 from sfm.ingest.survey import ingest_survey
 from sfm.model import build_model, mae_config
 from sfm.model.io import save as save_mae
@@ -160,10 +160,12 @@ def test_a_killed_part_is_run_again_alone_and_the_store_equals_an_uninterrupted_
     cmd = [sys.executable, "-m", "sfm.cli", "predict", "--model", "sfm-faults:v1", "--survey", small["store"],
            "--out", str(out), "--data-root", small["root"], "--parts", "3", "--part", "1", "--mirror",
            "--batch-size", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     first_row = out / "probability" / "c" / "1"  # part 1 writes shard rows 1 and 2
     deadline = time.monotonic() + 300
-    while not (first_row.exists() and any(first_row.rglob("*"))) and proc.poll() is None and time.monotonic() < deadline:
+    while not (first_row.exists() and any(first_row.rglob("*"))) and proc.poll() is None \
+            and time.monotonic() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -173,7 +175,8 @@ def test_a_killed_part_is_run_again_alone_and_the_store_equals_an_uninterrupted_
         from sfm.predict import publish_prediction
 
         publish_prediction(plan)
-    rows_of_others = [p for r in ("0", "3", "4") for p in (out / "probability" / "c" / r).rglob("*") if p.is_file()]
+    rows_of_others = [p for r in ("0", "3", "4") for p in (out / "probability" / "c" / r).rglob("*")
+                      if p.is_file()]
     written = {p: p.stat().st_mtime_ns for p in rows_of_others}
     rerun = predict(PredictOptions(out=str(out), **opts))
     assert rerun["ran"] == [1] and rerun["reused"] == [0, 2] and rerun["published"]
@@ -196,6 +199,8 @@ def test_user_errors_are_one_line(small, tmp_path, capsys):
         (["--model", str(encoder), "--out", str(tmp_path / "a.zarr")], "is not a task model"),
         (["--model", "sfm-faults", "--out", str(published)], "already holds a published store"),
         (["--model", "sfm-faults", "--out", str(published), "--mirror"], "already holds a published store"),
+        (["--model", str(small["tmp"] / "three"), "--out", str(tmp_path / "a.zarr"), "--segy", str(tmp_path / "a.sgy")],
+         "--segy writes one value per sample"),
     ]
     for extra, message in cases_:
         assert cli.main([*base, *extra]) == 2
@@ -210,4 +215,25 @@ def test_user_errors_are_one_line(small, tmp_path, capsys):
                                    data_root=small["root"], parts=2))
     assert cli.main([*base, "--model", "sfm-faults", "--out", str(tmp_path / "c.zarr"), "--parts", "3"]) == 2
     assert "unfinished prediction with other settings" in capsys.readouterr().err
-    assert not (tmp_path / "a.zarr").exists() and not (tmp_path / "b.zarr").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name[0] in "ab"]  # nothing written for the refused runs
+
+
+def test_on_s3_survey_model_store_and_segy(small, s3_env, tmp_path):
+    """A survey ingested into S3, the task model registered there, the store and the SEG-Y written there: the same
+    values as the local prediction, nothing left beside the published store."""
+    bucket = s3_env.make_bucket("predict")
+    root = f"{bucket}/sfm"
+    storage.upload(small["src"], f"{bucket}/landing/small.sgy")
+    store = ingest_survey(f"{bucket}/landing/small.sgy", root, chunk=16)["store_url"]
+    registry.register(root, "sfm-faults", str(small["tmp"] / "binary"), config={}, metrics={}, force_champion=True,
+                      lineage={"run_pathspec": "test", "manifest_version": "m1", "code_version": "t", "surveys": []})
+    opts = dict(model="sfm-faults:v1", data_root=root, parts=2, output="classes", overlap=0.25)
+    remote = predict(PredictOptions(survey=store, out=f"{bucket}/out/faults.zarr", segy=f"{bucket}/out/faults.sgy",
+                                    **opts))
+    local = predict(PredictOptions(survey=small["store"], out=str(tmp_path / "faults.zarr"),
+                                   segy=str(tmp_path / "faults.sgy"), **{**opts, "data_root": small["root"]}))
+    assert remote["stats"] == local["stats"]
+    storage.download(f"{bucket}/out/faults.sgy", tmp_path / "remote.sgy")
+    assert (tmp_path / "remote.sgy").read_bytes() == (tmp_path / "faults.sgy").read_bytes()
+    keys = s3_env.keys("predict", "out/")
+    assert not [k for k in keys if ".predict/" in k or k.endswith(".partial")] and "out/faults.zarr/zarr.json" in keys
