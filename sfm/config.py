@@ -409,6 +409,12 @@ class JobConfig:
         if self.data.batch_dtype == "int8" and self.ingest.dtype != "int8":
             raise SFMError(f"data.batch_dtype = \"int8\" delivers the stored int8 values, but ingest.dtype = "
                            f"{self.ingest.dtype!r}; set ingest.dtype = \"int8\" or data.batch_dtype = \"float16\"")
+        metric = self.registry.champion_metric
+        budget = metric.rpartition("_b")[2]
+        if metric.startswith(("ft_", "linear_", "knn_")) and not (self.eval.downstream and budget.isdigit() and
+                                                                  int(budget) in self.eval.budgets):
+            raise SFMError(f"registry.champion_metric = {metric!r} is a downstream figure this job does not measure; "
+                           "set eval.downstream = true with that budget in eval.budgets, or choose masked_nmse")
         self.check_parallelism()
 
     def check_parallelism(self, world: int | None = None) -> None:

@@ -115,3 +115,32 @@ def test_held_out_scores_count_labelled_voxels_only_per_class():
     assert one["f1"] == pytest.approx(2 * positives / (2 * positives + 1))
     assert one["iou"] == pytest.approx(positives / (positives + 1))
     assert scores.validation_score([probs], [binary]) == one["ap"] < 1.0
+
+
+def test_a_classes_task_fine_tunes_from_random_init_and_scores_every_class(tmp_path):
+    """The run's mechanics in one process (what each rank and the evaluate step do): three classes, held out by
+    a fraction of the labelled lines, a model saved with its task, scores per class."""
+    from sfm.finetune import job as ftjob
+    from sfm.finetune import run
+    from sfm.ingest.synth import synth_survey
+    from sfm.model.segmenter import load_segmenter
+
+    made = synth_survey(tmp_path / "s.sgy", shape=(40, 36, 48), seed=5)
+    root = str(tmp_path / "root")
+    row = ingest_survey(made["segy"], root, chunk=16)
+    classes = np.broadcast_to((np.arange(36) * 3 // 36)[None, :, None], (40, 36, 48))  # thirds of the crosslines
+    np.save(tmp_path / "classes.npy", classes.astype(np.uint8))
+    cfg = JobConfig.from_toml(None, ["finetune.steps=2", "finetune.probe_steps=1", "finetune.batch_size=2",
+                                     "finetune.validate_every=1", "finetune.test_augment=false",
+                                     "train.threads_per_process=1"])
+    pairs = run.ingest_pairs(run.plan_pairs(made["segy"], str(tmp_path / "classes.npy")), root, cfg)
+    job = run.node_job(cfg, pairs, run.resolve_encoder("random", root, cfg), "classes:3", str(tmp_path / "run"))
+    summary = ftjob.fine_tune(job)
+    assert summary["steps"] == 2 and [s for s, _ in summary["validation"]] == [0, 1, 2]
+    net = load_segmenter(summary["model_url"])
+    assert net.task.name == "classes:3" and net.meta["lineage"]["encoder"] == "random"
+    metrics, figures = run.evaluate(job, summary)
+    assert set(metrics["per_class"]) == {"0", "1", "2"} and "threshold" not in metrics
+    assert figures["prediction"].shape[0] == 3 and figures["prediction"].shape[1:] == figures["labels"].shape
+    with pytest.raises(SFMError, match="pass --task classes:3"):
+        ftjob.fine_tune({**job, "task": "binary"})
