@@ -14,7 +14,6 @@
 Each step calls one function of ``sfm.pipeline`` and keeps only small artifacts (URLs, ids, metrics).
 """
 
-import contextlib
 import tomllib
 
 from metaflow import (Config, FlowSpec, Parameter, card, config_expr, current, environment, parallel, resources,
@@ -31,21 +30,11 @@ class SFMInputError(MetaflowException):
     headline = "sfm input error"
 
 
-@contextlib.contextmanager
 def user_errors():
     """Report errors the user can fix as one line (no traceback); bugs keep theirs."""
-    from sfm.errors import SFMError
-    from sfm.storage.clients import user_error
+    from sfm.errors import reported_as
 
-    try:
-        yield
-    except SFMError as err:
-        raise SFMInputError(str(err)) from None
-    except Exception as err:
-        problem = user_error(err)  # S3 unreachable or credentials missing: the user's to fix
-        if problem is None:
-            raise
-        raise SFMInputError(str(problem)) from None
+    return reported_as(SFMInputError)
 
 
 @schedule(cron=config_expr("schedule_cron(config)"), daily=config_expr("schedule_cron(config) is not None"))

@@ -63,37 +63,74 @@ def _cmd_ingest(args: argparse.Namespace) -> None:
         raise SFMError(f"{len(failures)} of {len(args.src)} sources failed (see the lines above): {', '.join(failures)}")
 
 
+def _cmd_ingest_labels(args: argparse.Namespace) -> None:
+    """One JSON line: the label set's manifest row and whether it was ingested or existed."""
+    from sfm.ingest.labels import ingest_labels
+
+    row = ingest_labels(args.labels, args.survey, args.out, ignore=args.ignore, variable=args.variable, name=args.name)
+    row.pop("label_mask")
+    print(json.dumps(row, default=str))
+    print(f"sfm ingest-labels: {row['name']} -> {row['store_url']} ({row['status']}): {row['labelled_voxels']} "
+          f"labelled voxels on {row['labelled_inlines']} inlines, classes {row['classes']}, {row['seconds']:.1f}s",
+          file=sys.stderr)
+
+
 def _cmd_registry(args: argparse.Namespace) -> None:
-    """list: one JSON line per version; show: the record; promote: force a version to champion; load: build
-    the model (files checked against their sha256) and, with --out, export it byte for byte."""
+    """list: one JSON line per version (every model, encoders and task models, without --model); show: the
+    record; promote: force a version to champion; load: build the model (files checked against their sha256)
+    and, with --out, export it byte for byte."""
     from sfm import registry, storage
 
     if args.action == "list":
-        champion = registry.champion_version(args.data_root, args.model)
-        for version in registry.versions(args.data_root, args.model):
-            record = registry.get(args.data_root, args.model, version)
-            print(json.dumps({"version": version, "champion": version == champion, "created_at": record["created_at"],
-                              "masked_nmse": record["metrics"].get("masked_nmse"),
-                              "run": record["lineage"]["run_pathspec"]}))
+        for name in [args.model] if args.model else registry.models(args.data_root):
+            champion = registry.champion_version(args.data_root, name)
+            for version in registry.versions(args.data_root, name):
+                record = registry.get(args.data_root, name, version)
+                task = registry.is_task_model(record)
+                line = {"model": name, "kind": "task" if task else "encoder", "version": version,
+                        "champion": version == champion, "created_at": record["created_at"]}
+                keys = ("ap", "f1", "iou") if task else ("masked_nmse", "ft_ap_gain_b1", "ft_ap_gain_b4")
+                line.update({k: record["metrics"][k] for k in keys if k in record["metrics"]})
+                if task:
+                    line.update(task=record["lineage"]["task"], encoder=record["lineage"]["encoder"])
+                print(json.dumps({**line, "run": record["lineage"]["run_pathspec"]}))
         return
-    version = registry.resolve(args.data_root, args.model, args.version)
+    model_name = args.model or "sfm-mae"
+    version = registry.resolve(args.data_root, model_name, args.version)
     if args.action == "show":
-        record = registry.get(args.data_root, args.model, version)
-        record["champion"] = registry.champion_version(args.data_root, args.model) == version
-        record["url"] = registry.version_url(args.data_root, args.model, version)
+        record = registry.get(args.data_root, model_name, version)
+        record["champion"] = registry.champion_version(args.data_root, model_name) == version
+        record["url"] = registry.version_url(args.data_root, model_name, version)
         print(json.dumps(record, indent=1))
     elif args.action == "promote":
         if str(args.version) == "champion":
             raise SFMError("registry promote needs the version to promote: pass --version N")
-        registry.maybe_promote(args.data_root, args.model, version, force=True)
-        print(f"{args.model} v{version} is now the champion")
+        registry.maybe_promote(args.data_root, model_name, version, force=True)
+        print(f"{model_name} v{version} is now the champion")
     elif args.action == "load":
-        model = registry.load(args.data_root, args.model, version)
+        model = registry.load(args.data_root, model_name, version)
         if args.out:
-            for name, data in registry.verified_files(args.data_root, args.model, version).items():
+            for name, data in registry.verified_files(args.data_root, model_name, version).items():
                 storage.write_bytes(storage.join(args.out, name), data)
-        print(json.dumps({"model": args.model, "version": version, "config": model.cfg.to_dict(),
+        encoder = getattr(model, "mae", model)
+        print(json.dumps({"model": model_name, "version": version, "config": encoder.cfg.to_dict(),
+                          "task": model.task.to_dict() if hasattr(model, "task") else None,
                           "parameters": sum(p.numel() for p in model.parameters()), "saved_to": args.out or None}))
+
+
+def _cmd_predict(args: argparse.Namespace) -> None:
+    """Predict a survey with a task model: one JSON line on stdout, one summary line on stderr."""
+    from sfm.predict import PredictOptions, predict
+
+    opts = PredictOptions(model=args.model, survey=args.survey, out=args.out, data_root=args.data_root,
+                          output=args.output, mirror=args.mirror, layout=args.layout, segy=args.segy, parts=args.parts,
+                          overlap=args.overlap, batch_size=args.batch_size, device=args.device)
+    result = predict(opts, part=args.part, progress=sys.stderr.isatty())
+    print(json.dumps(result))
+    done = "published" if result["published"] else f"part {args.part} of {result['parts']} written (not published yet)"
+    print(f"sfm predict: {result['out']} {done}: {len(result['ran'])} part(s) run, {len(result['reused'])} reused, "
+          f"{result['voxels'] / 1e6:.1f} M voxels in {result['seconds']:.1f}s "
+          f"({result['voxels'] / max(result['cpu_s'], 1e-9) / 1e6:.2f} M voxels per CPU second)", file=sys.stderr)
 
 
 def _cmd_watch(args: argparse.Namespace) -> None:
@@ -249,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_data_commands(sub)
     _add_model_commands(sub)
+    _add_predict_command(sub)
     _add_run_commands(sub)
     return parser
 
@@ -290,13 +328,26 @@ def _add_data_commands(sub) -> None:
                    help="the sample axis, time (default) or depth: its name in the mdio layout")
     p.set_defaults(func=_cmd_ingest)
 
+    p = sub.add_parser("ingest-labels", help="a label volume aligned with a published survey (SEG-Y with its "
+                       "geometry, .npy on its grid, or a Zarr/MDIO integer variable) -> a label store in the manifest")
+    p.add_argument("labels", help="the label file or store (local path or s3:// URL)")
+    p.add_argument("--survey", required=True, help="the survey it labels: its survey id in --out, or its store URL")
+    p.add_argument("--out", default="sfm_data", help="data root holding the survey (default sfm_data, as the flows)")
+    p.add_argument("--ignore", type=int, default=None, help="the value of samples nobody interpreted (255 always is)")
+    p.add_argument("--variable", default="", help="Zarr/MDIO: the variable holding the labels (default: the only "
+                   "integer 3-D one)")
+    p.add_argument("--name", default="", help="display name (default: the file name)")
+    p.set_defaults(func=_cmd_ingest_labels)
+
 
 def _add_model_commands(sub) -> None:
     """registry, watch, iam-policy, network-policy: registered models, retraining, the S3 and network policies."""
-    p = sub.add_parser("registry", help="list, show, promote or load registered model versions")
+    p = sub.add_parser("registry", help="list, show, promote or load registered model versions (encoders and "
+                       "task models)")
     p.add_argument("action", choices=["list", "show", "promote", "load"])
-    p.add_argument("--data-root", required=True)
-    p.add_argument("--model", default="sfm-mae")
+    p.add_argument("--data-root", default="sfm_data", help="the flows' data root (default sfm_data)")
+    p.add_argument("--model", default="", help="sfm-mae, a task model (sfm-<task>); default: list every model, "
+                   "show/promote/load sfm-mae")
     p.add_argument("--version", default="champion", help="N, vN, latest or champion")
     p.add_argument("--out", default="", help="with load: export the model to this folder")
     p.set_defaults(func=_cmd_registry)
@@ -345,6 +396,37 @@ def _add_model_commands(sub) -> None:
     p.add_argument("--allow-egress", action="append", metavar="CIDR:PORT",
                    help="more egress, e.g. the Metaflow metadata service (repeatable)")
     p.set_defaults(func=_cmd_network_policy)
+
+
+def _add_predict_command(sub) -> None:
+    """predict: a task model over a whole survey, into a prediction store (README "Predicting a survey")."""
+    from sfm.predict.parts import LAYOUTS, OUTPUTS, PredictOptions
+
+    p = sub.add_parser("predict", help="predict a whole survey with a task model, into a store on its grid "
+                       "(and optionally a SEG-Y)")
+    p.add_argument("--model", required=True, help="NAME[:vN|:latest|:champion] in the registry (e.g. sfm-faults:v3; "
+                   "NAME alone: its champion), or an exported task model's folder URL")
+    p.add_argument("--survey", required=True, help="the survey store's URL (what `sfm ingest` printed)")
+    p.add_argument("--out", required=True, help="the prediction store's URL (local path or s3://); must not exist")
+    p.add_argument("--data-root", default=PredictOptions.data_root, help="where --model NAME is registered "
+                   f"(default {PredictOptions.data_root}, the flows' default)")
+    p.add_argument("--output", choices=OUTPUTS, default=PredictOptions.output,
+                   help="probability (float32; binary tasks: of class 1) or classes (uint8)")
+    p.add_argument("--mirror", action="store_true", help="test-time mirroring: each window also seen flipped along "
+                   "the inlines and crosslines (and swapped), averaged; 4-8x the work")
+    p.add_argument("--layout", choices=LAYOUTS, default=PredictOptions.layout,
+                   help="sfm (default), or mdio: also what MDIO's tools read and export (needs a survey ingested "
+                        "with --layout mdio, or an MDIO store)")
+    p.add_argument("--segy", default="", help="also write a SEG-Y here, with the source's trace headers")
+    p.add_argument("--parts", type=int, default=PredictOptions.parts, help="split the survey into this many parts "
+                   "(runs of whole shard rows) for separate tasks or GPUs")
+    p.add_argument("--part", type=int, default=None, help="run only this part (0..parts-1) and publish nothing; "
+                   "without it every part not yet written runs, then the store is published")
+    p.add_argument("--overlap", type=float, default=PredictOptions.overlap,
+                   help="overlap of neighbouring windows, a fraction of the crop (default 0.5)")
+    p.add_argument("--batch-size", type=int, default=PredictOptions.batch_size, help="windows per network call")
+    p.add_argument("--device", default=PredictOptions.device, help="auto (a GPU if there is one), cpu, cuda or cuda:N")
+    p.set_defaults(func=_cmd_predict)
 
 
 def _add_run_commands(sub) -> None:

@@ -6,16 +6,14 @@ Every run writes its resolved config (``JobConfig.to_dict()``) next to its outpu
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from sfm.config_values import at_least, coerce, field_types, fraction_in, one_of, parse_literal, toml_text
 from sfm.errors import SFMError
 
 DEFAULT_TOML = Path(str(resources.files("sfm") / "default.toml"))  # inside the package, also when installed
@@ -27,6 +25,7 @@ BATCH_DTYPES = ("float32", "float16", "int8")  # data.batch_dtype: the crops' va
 STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")  # dist.strategy: what sfm.distributed.strategies applies
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer (see sfm.train.muon)
 LAUNCHERS = ("torchrun", "accelerate")  # dist.launcher: what starts a node's processes (sfm.distributed.launch)
+LABEL_IGNORE = 255  # label stores' value of voxels nobody interpreted (uint8: classes 0..254; sfm.ingest.labels)
 
 
 @dataclass
@@ -136,16 +135,16 @@ class DataConfig:
         if len(self.crop) != 3 or min(int(c) for c in self.crop) < 1:
             raise SFMError(f"data.crop = {list(self.crop)} is not a crop shape; give 3 positive sizes, "
                            "e.g. [64, 64, 64]")
-        _at_least("data", self, {"batch_size": 1, "read_threads": 1, "workers": 0, "prefetch": 1, "cache_mb": 0,
+        at_least("data", self, {"batch_size": 1, "read_threads": 1, "workers": 0, "prefetch": 1, "cache_mb": 0,
                                  "crops_per_region": 1, "regions_in_flight": 0, "pool_mb": 0},
                   {"cache_mb": " (0: no brick cache)", "crops_per_region": " (1: a fetch per crop)",
                    "regions_in_flight": " (0: automatic)", "pool_mb": " (0: automatic)"})
-        _fraction("data.min_live_fraction", self.min_live_fraction, "[]", "the live share a crop needs")
+        fraction_in("data.min_live_fraction", self.min_live_fraction, "[]", "the live share a crop needs")
         if len(self.region_bricks) != 3 or min(int(b) for b in self.region_bricks) < 1:
             raise SFMError(f"data.region_bricks = {list(self.region_bricks)} must be 3 positive brick counts, "
                            "e.g. [2, 2, 2]")
         for key, valid in (("align", ALIGNMENTS), ("client", CLIENTS), ("batch_dtype", BATCH_DTYPES)):
-            _one_of(f"data.{key}", getattr(self, key), valid)
+            one_of(f"data.{key}", getattr(self, key), valid)
         unknown = [a for a in self.augmentations() if a not in AUGMENTATIONS]
         if unknown:
             raise SFMError(f"data.augment names {', '.join(unknown)}; use any of {', '.join(AUGMENTATIONS)}")
@@ -168,8 +167,8 @@ class ModelConfig:
     def check(self) -> None:
         """The masking in range, or SFMError. Whether the preset and sizes make a model is for the model layer to
         say (:func:`sfm.model.model_config_for`), called where a job starts."""
-        _fraction("model.mask_ratio", self.mask_ratio, "()", "the fraction of patches masked")
-        _fraction("model.decoder_mask_ratio", self.decoder_mask_ratio, "[)",
+        fraction_in("model.mask_ratio", self.mask_ratio, "()", "the fraction of patches masked")
+        fraction_in("model.decoder_mask_ratio", self.decoder_mask_ratio, "[)",
                   "the fraction of masked patches the decoder skips; 0: decode every patch")
 
 
@@ -198,7 +197,7 @@ class TrainConfig:
 
     def check(self) -> None:
         """Every setting valid, or SFMError naming it and the fix."""
-        _at_least("train", self, {"max_steps": 1, "warmup_steps": 0, "grad_accum": 1, "checkpoint_every": 1,
+        at_least("train", self, {"max_steps": 1, "warmup_steps": 0, "grad_accum": 1, "checkpoint_every": 1,
                                   "keep_checkpoints": 0, "log_every": 1},
                   {"max_steps": "; pass a positive --max-steps"})
         if not self.log_every_s > 0:
@@ -207,7 +206,7 @@ class TrainConfig:
             raise SFMError(f"train.lr = {self.lr} must be > 0 and train.min_lr = {self.min_lr} >= 0")
         if any(not 0 < f < 1 for f in self.snapshots):
             raise SFMError(f"train.snapshots = {list(self.snapshots)}: each must be a fraction of the steps in (0, 1)")
-        _one_of("train.optimizer", self.optimizer, OPTIMIZERS)
+        one_of("train.optimizer", self.optimizer, OPTIMIZERS)
 
 
 @dataclass
@@ -294,15 +293,50 @@ class EvalConfig:
 
     def check(self) -> None:
         """Every setting valid, or SFMError naming it and the fix."""
-        _at_least("eval", self, {"crops": 1, "seeds": 1, "test_volumes": 1, "finetune_steps": 1, "finetune_batch": 1,
+        at_least("eval", self, {"crops": 1, "seeds": 1, "test_volumes": 1, "finetune_steps": 1, "finetune_batch": 1,
                                  "validate_every": 1, "pool_volumes": 0, "validation_volumes": 0,
                                  "finetune_lr_random": 0})
         if any(b < 1 for b in self.budgets):
             raise SFMError(f"eval.budgets = {list(self.budgets)} must be positive numbers of labelled volumes")
         if not self.finetune_lr > 0:
             raise SFMError(f"eval.finetune_lr = {self.finetune_lr} must be > 0")
-        _fraction("eval.validation", self.validation, "[)",
+        fraction_in("eval.validation", self.validation, "[)",
                   "the held-out fraction of each labelled volume; 0: no early stopping")
+
+
+@dataclass
+class FinetuneConfig:
+    """The fine-tune flow (flows/finetune_flow.py, sfm.finetune): the downstream evaluation's recipe on labelled
+    surveys (LP-FT, layer decay, early stopping, augmentation); defaults are the evaluation's."""
+
+    steps: int = EvalConfig.finetune_steps
+    batch_size: int = EvalConfig.finetune_batch  # per rank
+    lr: float = EvalConfig.finetune_lr  # the head's peak lr; encoder layer k of d: lr * layer_decay^(d + 1 - k)
+    lr_random: float = EvalConfig.finetune_lr_random  # --encoder random's own peak lr (0: lr)
+    layer_decay: float = EvalConfig.layer_decay
+    weight_decay: float = 0.05
+    warmup_fraction: float = 0.1
+    linear_first: bool = True  # LP-FT: probe_steps of the head alone on the frozen encoder first, at probe_lr
+    probe_steps: int = 50
+    probe_lr: float = 1e-2
+    validate_every: int = EvalConfig.validate_every
+    validation: float = EvalConfig.validation  # early stopping on this fraction of the training labelled lines
+    held_out: float = 0.2  # without --held-out surveys: this fraction of the labelled lines is held out to score
+    head: str = "linear"  # linear (per token) | unetr (light decoder over several blocks; BENCHMARKS.md)
+    head_width: int = 16  # the unetr decoder's channels
+    test_augment: bool = EvalConfig.test_augment  # held-out predictions: sliding windows and mirrorings
+    seed: int = 0  # crops, their augmentation, the head's (and a random encoder's) initialisation
+    augment: str = ",".join(AUGMENTATIONS)  # data.augment of the fine-tuning crops
+
+    def check(self) -> None:
+        """Every setting valid, or SFMError naming it and the fix."""
+        at_least("finetune", self, {"steps": 1, "batch_size": 1, "validate_every": 1, "probe_steps": 0,
+                                     "head_width": 1, "lr_random": 0})
+        if not (self.lr > 0 and self.probe_lr > 0):
+            raise SFMError(f"finetune.lr = {self.lr} and finetune.probe_lr = {self.probe_lr} must be > 0")
+        fraction_in("finetune.validation", self.validation, "[)", "the labelled lines early stopping scores")
+        fraction_in("finetune.held_out", self.held_out, "()", "the labelled lines held out to score the model")
+        one_of("finetune.head", self.head, ("linear", "unetr"))
 
 
 @dataclass
@@ -318,6 +352,9 @@ class SynthConfig:
 class RegistryConfig:
     model_name: str = "sfm-mae"
     margin: float = 0.0
+    # what makes a champion: a held-out metric every version records, e.g. masked_nmse or ft_ap_gain_b4;
+    # lower is better for names ending in nmse, loss or error, higher for the others (sfm.registry.Champion)
+    champion_metric: str = "masked_nmse"
 
 
 @dataclass
@@ -337,6 +374,7 @@ class JobConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     synth: SynthConfig = field(default_factory=SynthConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     retrain: RetrainConfig = field(default_factory=RetrainConfig)
@@ -367,18 +405,24 @@ class JobConfig:
             key, sep, value = item.partition("=")
             if not sep:
                 raise SFMError(f"override '{item}' must look like section.key=value")
-            cfg.set(key.strip(), _parse_literal(value.strip()))
+            cfg.set(key.strip(), parse_literal(value.strip()))
         return cfg
 
     def validate(self) -> None:
         """Every section valid (its ``check``) and the sections agree, or SFMError naming the key and the fix:
         the flow's ``start`` and ``sfm train`` call this before any survey is read. Whether the [model] settings
         make a model is the model layer's to check (:func:`sfm.model.model_config_for`), where a job starts."""
-        for section in (self.ingest, self.data, self.model, self.train, self.eval):
+        for section in (self.ingest, self.data, self.model, self.train, self.eval, self.finetune):
             section.check()
         if self.data.batch_dtype == "int8" and self.ingest.dtype != "int8":
             raise SFMError(f"data.batch_dtype = \"int8\" delivers the stored int8 values, but ingest.dtype = "
                            f"{self.ingest.dtype!r}; set ingest.dtype = \"int8\" or data.batch_dtype = \"float16\"")
+        metric = self.registry.champion_metric
+        budget = metric.rpartition("_b")[2]
+        if metric.startswith(("ft_", "linear_", "knn_")) and not (self.eval.downstream and budget.isdigit() and
+                                                                  int(budget) in self.eval.budgets):
+            raise SFMError(f"registry.champion_metric = {metric!r} is a downstream figure this job does not measure; "
+                           "set eval.downstream = true with that budget in eval.budgets, or choose masked_nmse")
         self.check_parallelism()
 
     def check_parallelism(self, world: int | None = None) -> None:
@@ -405,10 +449,10 @@ class JobConfig:
         section = getattr(self, section_name, None)
         if section is None or not dataclasses.is_dataclass(section):
             raise SFMError(f"unknown config key '{dotted}'; sections are {', '.join(_section_names())}")
-        hints = _field_types(type(section))
+        hints = field_types(type(section))
         if key not in hints:
             raise SFMError(f"unknown config key '{dotted}'; valid keys in [{section_name}]: {', '.join(hints)}")
-        setattr(section, key, _coerce(dotted, hints[key], value))
+        setattr(section, key, coerce(dotted, hints[key], value))
 
     # ---- output -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -422,79 +466,5 @@ class JobConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-def toml_text(config: dict[str, Any]) -> str:
-    """A job config dict ({section: {key: value}}) as TOML; None values are left out (the defaults)."""
-    lines = []
-    for section, values in config.items():
-        lines.append(f"[{section}]")
-        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items() if value is not None]
-        lines.append("")
-    return "\n".join(lines)
-
-
 def _section_names() -> list[str]:
     return [f.name for f in dataclasses.fields(JobConfig)]
-
-
-def _parse_literal(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        if text.lower() in ("true", "false"):
-            return text.lower() == "true"
-        return text
-
-
-@functools.cache
-def _field_types(section: type) -> dict[str, Any]:
-    """The type of each field of the config section ``section``, as its annotation resolves."""
-    hints = typing.get_type_hints(section)
-    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
-
-
-def _coerce(dotted: str, hint: Any, value: Any) -> Any:
-    """Convert ``value`` to the field's type ``hint``, with a one-line error naming the key on failure. A tuple
-    field takes a list, or one number for every element."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None
-        if value is None:
-            return None
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    try:
-        if typing.get_origin(hint) is tuple:
-            elems = typing.get_args(hint)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                value = [value] * (1 if Ellipsis in elems else len(elems))
-            return tuple(elems[0](v) for v in value)
-        if hint is bool:
-            return value.lower() in ("1", "true", "yes") if isinstance(value, str) else bool(value)
-        if hint is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError("not an integer")
-            return int(value)
-        if hint in (float, str):
-            return hint(value)
-    except (TypeError, ValueError) as err:
-        name = hint.__name__ if isinstance(hint, type) else str(hint)
-        raise SFMError(f"config key '{dotted}' got {value!r}: {err}; expected {name}") from err
-    return value
-
-
-def _at_least(section: str, values: Any, lows: dict[str, float], hints: dict[str, str] | None = None) -> None:
-    """SFMError for the first setting ``key`` of ``lows`` under its lower bound (``hints[key]`` follows the message)."""
-    for key, low in lows.items():
-        value = getattr(values, key)
-        if value < low:
-            raise SFMError(f"{section}.{key} = {value} must be at least {low}{(hints or {}).get(key, '')}")
-
-
-def _fraction(key: str, value: float, ends: str, meaning: str) -> None:
-    """SFMError unless ``value`` lies in [0, 1] with the ends ``ends`` says: "[]", "[)" or "()"."""
-    low_ok = 0 <= value if ends[0] == "[" else 0 < value
-    high_ok = value <= 1 if ends[1] == "]" else value < 1
-    if not (low_ok and high_ok):
-        raise SFMError(f"{key} = {value} must be in {ends[0]}0, 1{ends[1]} ({meaning})")
-
-
-def _one_of(key: str, value: Any, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise SFMError(f"{key} = {value!r} is not valid; use one of {', '.join(valid)}")

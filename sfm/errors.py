@@ -6,6 +6,9 @@ print it on one line and exit non-zero. Bugs stay ordinary exceptions with trace
 Messages are redacted (:func:`sfm.storage.security.redact`): no credential reaches a log through them.
 """
 
+import contextlib
+from typing import Iterator
+
 from sfm.storage.security import redact
 
 
@@ -14,3 +17,21 @@ class SFMError(Exception):
 
     def __init__(self, message: str):
         super().__init__(redact(" ".join(str(message).split())))
+
+
+@contextlib.contextmanager
+def reported_as(kind: type[Exception]) -> Iterator[None]:
+    """Re-raise the errors a user can fix as ``kind`` (a flow's one-line input error) with their message and no
+    traceback: an :class:`SFMError`, or an unreachable S3 endpoint or missing credentials
+    (:func:`sfm.storage.clients.user_error`). Bugs keep theirs."""
+    try:
+        yield
+    except SFMError as err:
+        raise kind(str(err)) from None
+    except Exception as err:
+        from sfm.storage.clients import user_error
+
+        problem = user_error(err)
+        if problem is None:
+            raise
+        raise kind(str(problem)) from None

@@ -280,7 +280,8 @@ def register(data_root: str, cfg: JobConfig, *, model_url: str, metrics: dict, r
         "init_from": cfg.train.init_from, "snapshots": snapshots or {},
     }
     record = registry.register(data_root, cfg.registry.model_name, model_url, config=cfg.to_dict(),
-                               metrics=metrics, lineage=lineage, margin=cfg.registry.margin)
+                               metrics=metrics, lineage=lineage,
+                               champion=registry.Champion.of(cfg.registry))
     print(f"sfm register: {cfg.registry.model_name} v{record['version']}"
           f"{' (champion)' if record['champion'] else ''} at {registry.version_url(data_root, cfg.registry.model_name, record['version'])}")
     return record

@@ -24,8 +24,11 @@ lock server:
   metric therefore only improves (or a forced promotion overrides it), whatever the interleaving.
 
 A version whose registration died before ``version.json`` keeps its claimed number and is never
-listed. A new version becomes champion only if its held-out ``masked_nmse`` is lower than the
-champion's by at least the configured margin (lower is better), unless promotion is forced.
+listed. A new version becomes champion only if its held-out metric (:class:`Champion`: ``[registry]
+champion_metric``, ``masked_nmse`` by default, or a downstream gain such as ``ft_ap_gain_b4``; a task
+model's held-out ``ap``) beats the champion's by at least the configured margin, unless promotion is
+forced. Encoders (``sfm-mae``) and task models (``sfm-<task>``, whose config.json has a ``task`` section:
+:mod:`sfm.model.segmenter`) live side by side; :func:`models` lists them all.
 """
 
 from __future__ import annotations
@@ -36,13 +39,16 @@ import json
 import re
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from sfm import storage
+from sfm.config import RegistryConfig
 from sfm.ingest.contracts import validate
 from sfm.errors import SFMError
 
-METRIC = "masked_nmse"
+METRIC = RegistryConfig.champion_metric  # the default champion metric (of encoders)
+LOWER_IS_BETTER = ("nmse", "loss", "error")  # metric names ending so are errors; every other metric is a score
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _VERSION = re.compile(r"^v(\d+)$")
 _ENTRY = re.compile(r"^(\d{8})\.json$")
@@ -179,32 +185,57 @@ def champion_version(data_root: str, model_name: str) -> int | None:
     return None if entry is None else int(entry["version"])
 
 
-def beats(candidate: float, incumbent: float, margin: float) -> bool:
-    """The margin rule: lower is better, and the candidate must be lower by at least ``margin``."""
-    return candidate <= incumbent - margin
+@dataclass(frozen=True)
+class Champion:
+    """What makes a champion: a held-out ``metric`` every version records, better by at least ``margin``.
+    Lower is better for names ending in nmse, loss or error (:data:`LOWER_IS_BETTER`), higher for the
+    others (AP, F1, a fine-tuning gain)."""
+
+    metric: str = METRIC
+    margin: float = 0.0
+
+    @property
+    def lower_is_better(self) -> bool:
+        return self.metric.endswith(LOWER_IS_BETTER)
+
+    def beats(self, candidate: float, incumbent: float | None) -> bool:
+        """The margin rule; an incumbent without the metric loses to any candidate that has it."""
+        if incumbent is None:
+            return True
+        if self.lower_is_better:
+            return candidate <= incumbent - self.margin
+        return candidate >= incumbent + self.margin
+
+    @classmethod
+    def of(cls, registry_config) -> Champion:
+        """The rule a ``JobConfig.registry`` section sets."""
+        return cls(registry_config.champion_metric, float(registry_config.margin))
 
 
-def maybe_promote(data_root: str, model_name: str, version: int, *, margin: float = 0.0, force: bool = False) -> bool:
-    """Make ``version`` the champion if forced, if there is none, or if it beats the champion by ``margin``.
+def maybe_promote(data_root: str, model_name: str, version: int, *, champion: Champion = Champion(),
+                  force: bool = False) -> bool:
+    """Make ``version`` the champion if forced, if there is none, or if it beats the champion by the rule.
 
     Returns whether ``version`` is the champion afterwards. Safe under concurrent promotions: the
     decision is re-taken whenever another promotion lands first.
     """
     candidate = get(data_root, model_name, version)
-    value = candidate["metrics"].get(METRIC)
+    value = candidate["metrics"].get(champion.metric)
     if value is None and not force:
-        raise SFMError(f"{model_name} v{version} has no {METRIC} metric; evaluate it, or promote with force")
+        raise SFMError(f"{model_name} v{version} has no {champion.metric} metric; evaluate it, set [registry] "
+                       "champion_metric to a metric it has, or promote with force")
     for _ in range(_MAX_RACES):
         current = _latest_entry(data_root, model_name)
         if current is not None and current["version"] == candidate["version"]:
             return True
         if current is not None and not force:
-            incumbent = get(data_root, model_name, current["version"])["metrics"][METRIC]
-            if not beats(value, incumbent, margin):
+            incumbent = get(data_root, model_name, current["version"])["metrics"].get(champion.metric)
+            if not champion.beats(value, incumbent):
                 return False
         seq = (current["seq"] if current else 0) + 1
-        entry = {"seq": seq, "version": candidate["version"], "metric": METRIC, "value": value, "forced": bool(force),
-                 "previous": current["version"] if current else None, "margin": float(margin), "promoted_at": _now()}
+        entry = {"seq": seq, "version": candidate["version"], "metric": champion.metric, "value": value,
+                 "forced": bool(force), "previous": current["version"] if current else None,
+                 "margin": float(champion.margin), "promoted_at": _now()}
         validate("registry_champion", entry, f"{model_name} champion entry {seq}")
         if claim(storage.join(_champion_dir(data_root, model_name), f"{seq:08d}.json"), entry):
             return True
@@ -215,7 +246,7 @@ def maybe_promote(data_root: str, model_name: str, version: int, *, margin: floa
 
 
 def register(data_root: str, model_name: str, model_url: str, *, config: dict, metrics: dict, lineage: dict,
-             margin: float = 0.0, force_champion: bool = False) -> dict[str, Any]:
+             champion: Champion = Champion(), force_champion: bool = False) -> dict[str, Any]:
     """Copy an exported model into a new version and maybe promote it; returns the version record
     plus ``champion`` (whether it is the champion now)."""
     owner = lineage.get("run_pathspec", "") or "unknown"
@@ -232,7 +263,7 @@ def register(data_root: str, model_name: str, model_url: str, *, config: dict, m
     }
     validate("registry_version", record, f"{model_name} v{version}")
     storage.write_bytes(storage.join(target, "version.json"), json.dumps(record, indent=1, sort_keys=True).encode())
-    record["champion"] = maybe_promote(data_root, model_name, version, margin=margin, force=force_champion)
+    record["champion"] = maybe_promote(data_root, model_name, version, champion=champion, force=force_champion)
     return record
 
 
@@ -250,13 +281,30 @@ def verified_files(data_root: str, model_name: str, version: int | str = "champi
     return out
 
 
+def models(data_root: str) -> list[str]:
+    """The names of every model registered in ``data_root`` (encoders and task models), sorted."""
+    return sorted(name for name in storage.list_dir(storage.join(data_root, "registry")) if _NAME.match(name))
+
+
+def is_task_model(record: dict[str, Any]) -> bool:
+    """Whether a version record is a task model's (a segmentation network; else an encoder)."""
+    return "task" in record["lineage"]
+
+
 def load(data_root: str, model_name: str, version: int | str = "champion"):
-    """The registered model (``sfm.model.MaskedAutoencoder3D``) of that version, its files verified."""
+    """The registered model of that version, its files verified: a ``sfm.model.MaskedAutoencoder3D``, or
+    for a task model its :class:`sfm.model.segmenter.Segmenter`."""
     from safetensors.torch import load as load_safetensors
 
     from sfm.model.mae import MAEConfig, MaskedAutoencoder3D
 
     files = verified_files(data_root, model_name, version)
-    model = MaskedAutoencoder3D(MAEConfig.from_dict(json.loads(files["config.json"])["model"]))
+    config = json.loads(files["config.json"])
+    if "task" in config:
+        from sfm.model.segmenter import segmenter_from_files
+
+        where = f"{model_name} {version} in {data_root}"
+        return segmenter_from_files(files["config.json"], files["model.safetensors"], where)
+    model = MaskedAutoencoder3D(MAEConfig.from_dict(config["model"]))
     model.load_state_dict(load_safetensors(files["model.safetensors"]))
     return model

@@ -68,9 +68,10 @@ def _port_taken(addr: str, port: int) -> bool:
 
 
 def launch_node(job: dict[str, Any], *, nodes: int, procs_per_node: int, node_rank: int, main_addr: str,
-                main_port: int, timeout_s: int | None = None) -> None:
-    """Run this node's share of the training job with its launcher (:func:`node_command`); raises if any of
-    its processes fails.
+                main_port: int, timeout_s: int | None = None, module: str = "sfm.train.trainer") -> None:
+    """Run this node's share of a training job with its launcher (:func:`node_command`); raises if any of its
+    processes fails. Each process runs ``python -m <module> JOB.json`` (pretraining; the fine-tune flow's is
+    ``sfm.finetune.job``).
 
     A single-node job whose ``main_port`` is already taken on this machine (by a listener of some other
     program) rendezvouses on a free port instead: no other node has to agree on it."""
@@ -78,7 +79,7 @@ def launch_node(job: dict[str, Any], *, nodes: int, procs_per_node: int, node_ra
         main_port = free_port()
     node = NodeLaunch(nodes, procs_per_node, node_rank, main_addr, main_port)
     with tempfile.TemporaryDirectory(prefix="sfm-launch-") as tmp:
-        cmd = node_command(job, node, tmp)
+        cmd = node_command(job, node, tmp, module)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // procs_per_node)))
         # idle OpenMP threads sleep rather than spin: on a CPU shared with other work (data loading,
@@ -102,15 +103,14 @@ def launcher_of(job: dict[str, Any]) -> str:
     return JobConfig.from_dict(job.get("config")).dist.launcher
 
 
-def node_command(job: dict[str, Any], node: NodeLaunch, folder: str) -> list[str]:
-    """The command that starts ``node``'s processes of ``job`` (``python -m sfm.train.trainer JOB.json``
-    each), its files written to ``folder``: the job file, and for ``dist.launcher = "accelerate"`` the
+def node_command(job: dict[str, Any], node: NodeLaunch, folder: str, module: str = "sfm.train.trainer") -> list[str]:
+    """The command that starts ``node``'s processes of ``job`` (``python -m <module> JOB.json`` each), its files written to ``folder``: the job file, and for ``dist.launcher = "accelerate"`` the
     Accelerate launch config (:func:`sfm.distributed.accelerate_launch.launch_config`), given as a file so
     that no ``default_config.yaml`` of the node's applies."""
     job_path = os.path.join(folder, "job.json")
     with open(job_path, "w") as fh:
         json.dump(job, fh)
-    trainer = ["-m", "sfm.train.trainer", job_path]
+    trainer = ["-m", module, job_path]
     cfg = JobConfig.from_dict(job.get("config"))
     if cfg.dist.launcher == "accelerate":
         import torch

@@ -44,7 +44,6 @@ inline/crossline mirrorings averaged); early stopping scores its validation volu
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
@@ -54,11 +53,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sfm.config import FinetuneConfig
 from sfm.eval.fault_scores import average_precision, scores
 from sfm.eval.labelled import (Held, Volume, budget_volumes, cut, evaluation_pool, evaluation_test,
                                evaluation_validation, random_crops, split_for_validation, tiles, whole)
 from sfm.eval.volume_predict import predict
-from sfm.train.step import lr_at, weight_decay_groups
+from sfm.finetune.loop import balanced_bce, train_steps
+from sfm.model.segmenter import Segmenter
+from sfm.train.step import lr_at
 
 
 @dataclass
@@ -78,8 +80,8 @@ class Recipe:
     probes: bool  # frozen linear and kNN probes besides fine-tuning
     knn: int  # neighbours of the kNN probe (0: none)
     linear_first: bool = True  # LP-FT: the head starts as the linear probe of the frozen tokens
-    weight_decay: float = 0.05
-    warmup_fraction: float = 0.1
+    weight_decay: float = FinetuneConfig.weight_decay
+    warmup_fraction: float = FinetuneConfig.warmup_fraction
     probe_steps: int = 300  # frozen linear probe: full-batch steps on precomputed tokens
     validation: float = 0.25  # early stopping: this fraction of each labelled volume's inlines is held out (0: none)
     validate_every: int = 25  # fine-tuning steps between validation scores
@@ -88,28 +90,7 @@ class Recipe:
     test_augment: bool = True  # score test (and threshold) predictions with test-time augmentation (``predict``)
 
 
-# ---- the network ----------------------------------------------------------------------------------
-
-
-class FaultSegmenter(nn.Module):
-    """An MAE's encoder plus a linear head per token: imgs [N, 1, D, H, W] -> logits [N, D, H, W], on the
-    encoder's device (inputs are moved there)."""
-
-    def __init__(self, mae: nn.Module):
-        super().__init__()
-        self.mae = mae
-        self.head = nn.Linear(mae.cfg.embed_dim, math.prod(mae.cfg.patch) * mae.cfg.in_chans)
-        nn.init.trunc_normal_(self.head.weight, std=0.02)
-        nn.init.zeros_(self.head.bias)
-        self.head.to(device_of(mae))
-
-    def forward(self, imgs: torch.Tensor) -> torch.Tensor:
-        imgs = imgs.to(self.head.weight.device, non_blocking=True)
-        return self.logits(self.mae.encode(imgs), self.mae.grid_shape(imgs))
-
-    def logits(self, tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-        """tokens [N, L, E] -> per-voxel logits [N, D, H, W]."""
-        return self.mae.unpatchify(self.head(tokens), grid)[:, 0]
+# ---- fine-tuning and probes -------------------------------------------------------------------------
 
 
 def device_of(module: nn.Module) -> torch.device:
@@ -117,48 +98,17 @@ def device_of(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
-def encoder_parameters(mae: nn.Module) -> list[tuple[int, list[tuple[str, nn.Parameter]]]]:
-    """The encoder's named parameters by layer: 0 the patch embedding and cls token, 1..depth the blocks,
-    depth + 1 the final norm (the decoder is not part of the encoder)."""
-    depth = len(mae.blocks)
-    layers = [(0, [("patch_embed.weight", mae.patch_embed.weight), ("patch_embed.bias", mae.patch_embed.bias),
-                   ("cls_token", mae.cls_token)])]
-    layers += [(b + 1, list(block.named_parameters())) for b, block in enumerate(mae.blocks)]
-    layers.append((depth + 1, list(mae.norm.named_parameters())))
-    return layers
-
-
-def optimizer_for(net: FaultSegmenter, recipe: Recipe, *, freeze_encoder: bool = False) -> torch.optim.AdamW:
-    """AdamW with layer-wise decay: layer ``k`` of a depth-``d`` encoder learns at lr * decay^(d + 1 - k);
-    biases, norms and the cls token have no weight decay (:func:`sfm.train.step.weight_decay_groups`)."""
-    depth = len(net.mae.blocks)
-    groups = []
-    layers = [] if freeze_encoder else encoder_parameters(net.mae)
-    for layer, params in layers + [(depth + 1, list(net.head.named_parameters()))]:
-        groups += weight_decay_groups(params, recipe.weight_decay, lr_scale=recipe.layer_decay ** (depth + 1 - layer))
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=recipe.lr, betas=(0.9, 0.999))
-
-
-# ---- fine-tuning and probes -------------------------------------------------------------------------
-
-
-def balanced_bce(logits: torch.Tensor, labels: torch.Tensor, positive_fraction: float) -> torch.Tensor:
-    """Binary cross-entropy with the two classes weighted equally overall (FaultSeg3D's balanced loss)."""
-    p = min(max(positive_fraction, 1e-4), 1 - 1e-4)
-    weight = torch.where(labels > 0.5, 0.5 / p, 0.5 / (1 - p))
-    return F.binary_cross_entropy_with_logits(logits, labels, weight=weight)
-
-
-def validation_ap(net: FaultSegmenter, held: list[Held]) -> float:
+def validation_ap(net: Segmenter, held: list[Held]) -> float:
     """AP of the fault class over the held-out inlines of every validation part."""
     probs = [predict(net, h.amplitude)[h.first:].ravel() for h in held]
     return average_precision(np.concatenate(probs), np.concatenate([h.faults[h.first:].ravel() for h in held]))
 
 
 def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *, head: nn.Linear | None = None,
-              freeze_encoder: bool = False, held: list[Held] | None = None) -> FaultSegmenter:
-    """Train ``FaultSegmenter(mae)`` (in place: ``mae`` is changed) on random crops of ``train``,
-    starting from ``head`` if given (linear probing first, then fine-tuning: LP-FT).
+              freeze_encoder: bool = False, held: list[Held] | None = None) -> Segmenter:
+    """Train ``Segmenter(mae)`` (the per-token linear head; in place: ``mae`` is changed) on random crops
+    of ``train`` with :func:`sfm.finetune.loop.train_steps`, starting from ``head`` if given (linear
+    probing first, then fine-tuning: LP-FT).
 
     With ``held`` (validation parts of the same budget), the network is scored every
     ``recipe.validate_every`` steps and ends with the weights of the best score (early stopping);
@@ -169,45 +119,21 @@ def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *,
     encoders fine-tuned with one seed see exactly the same data in the same order.
     """
     torch.manual_seed(seed)
-    net = FaultSegmenter(mae)
+    net = Segmenter(mae)
     if head is not None:
         net.head.load_state_dict(head.state_dict())
-    for p in net.mae.parameters():
-        p.requires_grad_(not freeze_encoder)
-    optimizer = optimizer_for(net, recipe, freeze_encoder=freeze_encoder)
     rng = np.random.default_rng(seed)
     positive = float(np.mean([f.mean() for _, f in train]))
-    best: tuple[float, int, dict | None] = (-1.0, recipe.steps, None)
-    history: list[tuple[int, float]] = []
 
-    def score_step(done: int) -> tuple[float, int, dict | None]:
-        score = validation_ap(net, held)
-        history.append((done, score))
-        return (score, done, {k: v.detach().clone() for k, v in net.state_dict().items()}) if score > best[0] else best
+    def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return random_crops(train, mae.cfg.crop, recipe.batch_size, rng)
 
-    if held and head is not None:  # LP-FT: the linear probe itself (step 0) is a candidate too
-        best = score_step(0)
-    for step in range(recipe.steps):
-        net.train()
-        factor = lr_at(step, lr=1.0, min_lr=0.0, warmup_steps=max(1, round(recipe.warmup_fraction * recipe.steps)),
-                       max_steps=recipe.steps)  # the pretraining schedule's shape, from 1 down to 0
-        for group in optimizer.param_groups:
-            group["lr"] = recipe.lr * group["lr_scale"] * factor
-        imgs, labels = random_crops(train, mae.cfg.crop, recipe.batch_size, rng)
-        logits = net(imgs)
-        loss = balanced_bce(logits, labels.to(logits.device, non_blocking=True), positive)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        optimizer.step()
-        done = step + 1
-        if held and (done % recipe.validate_every == 0 or done == recipe.steps):
-            best = score_step(done)
-    if best[2] is not None:
-        net.load_state_dict(best[2])
-    net.chosen_step, net.validation = best[1], history
-    net.eval()
-    return net
+    def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return balanced_bce(logits[:, 0], labels.to(logits.device, non_blocking=True), positive)
+
+    return train_steps(net, recipe, batches, loss_of, freeze_encoder=freeze_encoder,
+                       validate=(lambda n: validation_ap(n, held)) if held else None,
+                       score_start=bool(held) and head is not None)
 
 
 def supervised_pretrain(mae: nn.Module, volumes: list[Volume], recipe: Recipe, *, steps: int, lr: float,
@@ -256,7 +182,7 @@ def _assemble(mae: nn.Module, probs: torch.Tensor, volumes: list[Volume], origin
 def train_linear_head(x_train: torch.Tensor, y_train: torch.Tensor, recipe: Recipe, seed: int) -> nn.Linear:
     """A linear head per token on frozen tokens x_train [M, L, E] for labels y_train [M, L, P]:
     class-balanced BCE, full-batch AdamW on standardised tokens, the standardisation then folded into
-    the weights, so the head takes raw tokens like ``FaultSegmenter.head``."""
+    the weights, so the head takes raw tokens like ``Segmenter.head``."""
     mean, std = x_train.mean(dim=(0, 1)), x_train.std(dim=(0, 1)) + 1e-6
     torch.manual_seed(seed)
     head = nn.Linear(x_train.shape[-1], y_train.shape[-1])

@@ -36,26 +36,31 @@ def _mirror(x: torch.Tensor, view: tuple[bool, bool, bool], inverse: bool = Fals
 
 
 def predict(net: nn.Module, amplitude: np.ndarray, batch_size: int = 8, *, augment: bool = False) -> np.ndarray:
-    """Fault probability [IL, XL, NS] of a whole volume: its tiles' sigmoid, averaged where they overlap.
-    ``net`` maps imgs [N, 1, D, H, W] to logits [N, D, H, W] for crops of ``net.mae.cfg.crop`` (an
-    :class:`sfm.eval.downstream.FaultSegmenter`).
+    """Class probabilities of a whole volume: its tiles' probabilities, averaged where they overlap.
+    ``net`` is a :class:`sfm.model.segmenter.Segmenter` (imgs [N, 1, D, H, W] -> logits [N, C, D, H, W] for
+    crops of ``net.crop``; ``net.probabilities`` turns them into probabilities). Returns [IL, XL, NS]: the
+    probability of class 1 of a binary task (C = 1), or [C, IL, XL, NS] for C classes.
 
     ``augment``: test-time augmentation as nnU-Net infers (sliding windows and mirroring): windows every
     half crop along each axis, each seen in every :func:`mirrorings` view, the probabilities mapped back
     and averaged, so a voxel's score does not hang on where the tile and patch borders fall or on its
     side of a flip. It costs about 18x the plain prediction for a 64^3 volume and 32 x 32 x 64 crops."""
-    crop = tuple(net.mae.cfg.crop)
+    crop = tuple(net.crop)
     origins = tiles(amplitude.shape, crop, overlap=augment)
     imgs = cut(amplitude, origins, crop)[:, 0]  # [M, D, H, W]
-    total = np.zeros(amplitude.shape, np.float32)
+    total: np.ndarray | None = None
     count = np.zeros(amplitude.shape, np.float32)
     net.eval()
     with torch.no_grad():
         for view in mirrorings(crop) if augment else [(False, False, False)]:
             for first in range(0, len(origins), batch_size):
                 seen = _mirror(imgs[first:first + batch_size], view).contiguous()[:, None]
-                probs = _mirror(torch.sigmoid(net(seen)).float().cpu(), view, inverse=True).numpy()
+                probs = net.probabilities(net(seen)).float().cpu().movedim(1, -1)  # [N, D, H, W, C]
+                probs = _mirror(probs, view, inverse=True).numpy()
+                if total is None:
+                    total = np.zeros((*amplitude.shape, probs.shape[-1]), np.float32)
                 for (i, j, k), p in zip(origins[first:first + batch_size], probs):
                     total[i:i + crop[0], j:j + crop[1], k:k + crop[2]] += p
                     count[i:i + crop[0], j:j + crop[1], k:k + crop[2]] += 1
-    return total / count
+    mean = total / count[..., None]
+    return np.ascontiguousarray(mean[..., 0] if mean.shape[-1] == 1 else np.moveaxis(mean, -1, 0))

@@ -1,5 +1,7 @@
 """The manifest: the table of published surveys under ``<data-root>/manifest/``, and where each survey's
-store lives (``<data-root>/surveys/<survey_id>.zarr``, :func:`survey_store_url`).
+store lives (``<data-root>/surveys/<survey_id>.zarr``, :func:`survey_store_url`); label sets aligned with
+a survey are published the same way (``manifest/labels/<label_id>.parquet``, their stores under
+``<data-root>/labels/``).
 
 Each published survey is one immutable parquet row object, ``manifest/rows/<survey_id>.parquet``,
 written in a single atomic PUT *after* its store is complete. A survey without a row is invisible,
@@ -50,14 +52,30 @@ def publish(data_root: str, row: dict[str, Any]) -> bool:
     Returns False (and changes nothing) when the survey's row already exists: two ingests of the same
     content racing each other publish exactly one row.
     """
+    return _publish_row(row_url(data_root, row["survey_id"]), "manifest_row", row, row.get("name", "?"))
+
+
+def _publish_row(url: str, contract: str, row: dict[str, Any], name: str) -> bool:
+    """Validate ``row`` against ``contract`` and create it at ``url`` as one parquet object, if absent."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    validate("manifest_row", row, f"manifest row for {row.get('name', '?')}")
-    table = pa.Table.from_pylist([row])
+    validate(contract, row, f"manifest row for {name}")
     buf = io.BytesIO()
-    pq.write_table(table, buf)
-    return storage.write_bytes_if_absent(row_url(data_root, row["survey_id"]), buf.getvalue())
+    pq.write_table(pa.Table.from_pylist([row]), buf)
+    return storage.write_bytes_if_absent(url, buf.getvalue())
+
+
+def _read_row(url: str, contract: str) -> dict[str, Any] | None:
+    """The row at ``url``, validated against ``contract``; None if there is none."""
+    import pyarrow.parquet as pq
+
+    if not storage.exists(url):
+        return None
+    row = pq.read_table(io.BytesIO(storage.read_bytes(url))).to_pylist()[0]
+    row["shape"] = [int(v) for v in row["shape"]]
+    validate(contract, row, url)
+    return row
 
 
 def publish_or_get(data_root: str, row: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -69,15 +87,7 @@ def publish_or_get(data_root: str, row: dict[str, Any]) -> tuple[dict[str, Any],
 
 
 def get_row(data_root: str, survey_id: str) -> dict[str, Any] | None:
-    import pyarrow.parquet as pq
-
-    url = row_url(data_root, survey_id)
-    if not storage.exists(url):
-        return None
-    row = pq.read_table(io.BytesIO(storage.read_bytes(url))).to_pylist()[0]
-    row["shape"] = [int(v) for v in row["shape"]]
-    validate("manifest_row", row, url)
-    return row
+    return _read_row(row_url(data_root, survey_id), "manifest_row")
 
 
 def read(data_root: str):
@@ -98,3 +108,32 @@ def version(data_root: str) -> str:
     ids = sorted(name[: -len(".parquet")] for name in storage.list_dir(rows_url(data_root)) if name.endswith(".parquet"))
     digest = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:12]
     return f"m{len(ids)}-{digest}"
+
+
+# ---- label sets (sfm.ingest.labels) ---------------------------------------------------------------
+
+
+def label_store_url(data_root: str, label_id: str) -> str:
+    """Where a label set's store lives: ``<data_root>/labels/<label_id>.zarr``."""
+    return storage.join(data_root, "labels", f"{label_id}.zarr")
+
+
+def label_row_url(data_root: str, label_id: str) -> str:
+    return storage.join(data_root, "manifest", "labels", f"{label_id}.parquet")
+
+
+def publish_labels(data_root: str, row: dict[str, Any]) -> bool:
+    """Make a label set visible (data_contracts/label_row.schema.json), as :func:`publish` a survey: False
+    when its row exists already."""
+    return _publish_row(label_row_url(data_root, row["label_id"]), "label_row", row, row.get("name", "?"))
+
+
+def get_label_row(data_root: str, label_id: str) -> dict[str, Any] | None:
+    return _read_row(label_row_url(data_root, label_id), "label_row")
+
+
+def label_rows(data_root: str) -> list[dict[str, Any]]:
+    """Every published label set, sorted by label_id."""
+    folder = storage.join(data_root, "manifest", "labels")
+    ids = sorted(name[: -len(".parquet")] for name in storage.list_dir(folder) if name.endswith(".parquet"))
+    return [row for row in (get_label_row(data_root, i) for i in ids) if row]

@@ -193,3 +193,33 @@ def write_headers(group, origin: tuple[int, int], raw: np.ndarray, live: np.ndar
     values = decode_trace_headers(raw, endian)
     values[~live] = np.zeros((), HEADER_DTYPE)
     group.write_chunk("headers", origin, values)
+
+
+# ---- back to SEG-Y (sfm.predict.segy_export): the inverse of the decoding above ----------------------
+
+
+def encode_trace_headers(values: np.ndarray, endian: str) -> np.ndarray:
+    """Trace headers [..., 240] uint8 in ``endian`` byte order from rev-1 fields ``values`` (:data:`HEADER_DTYPE`
+    [...]); the inverse of :func:`decode_trace_headers` (bytes 233-240, which are not kept, are 0)."""
+    rows = np.zeros(values.shape, _file_dtype(TRACE_HEADER_FIELDS, endian, 1, HEADER_BYTES))
+    for name, _, _ in TRACE_HEADER_FIELDS:
+        rows[name] = values[name]
+    return np.frombuffer(rows.tobytes(), dtype=np.uint8).reshape(*values.shape, HEADER_BYTES)
+
+
+def encode_file_header(attributes: dict[str, Any], endian: str, sample_format: int) -> bytes:
+    """The 3600-byte file header of ``segy_file_header``'s ``attributes`` (:func:`file_header_attributes`): the
+    textual header in EBCDIC (as MDIO's export writes it) and the binary header in ``endian`` order, with
+    ``sample_format`` as its data sample format code."""
+    lines = str(attributes.get("textHeader", "")).split("\n")
+    text = "".join(line[:80].ljust(80) for line in lines)[:3200].ljust(3200).encode("ascii", "replace")
+    to_ebcdic = bytearray(256)
+    for code, ascii_code in enumerate(_EBCDIC_TO_ASCII):
+        to_ebcdic[ascii_code] = code
+    fields = {**attributes.get("binaryHeader", {}), "data_sample_format": int(sample_format)}
+    binary = np.zeros(1, _file_dtype(BINARY_HEADER_FIELDS, endian, 3201, 400))
+    for name, _, _ in BINARY_HEADER_FIELDS:
+        binary[name] = int(fields.get(name, 0))
+    raw = bytearray(binary.tobytes())
+    raw[300:302] = bytes([int(fields.get("segy_revision_major", 1)), int(fields.get("segy_revision_minor", 0))])
+    return text.translate(bytes(to_ebcdic)) + bytes(raw)

@@ -476,3 +476,19 @@ class MaskedAutoencoder3D(nn.Module):
         x, _ = self._embed(imgs)
         x = self._run(self.blocks, self._with_cls(x))
         return self.norm(x)[:, 1:]
+
+    def encode_blocks(self, imgs: torch.Tensor, taps: tuple[int, ...]) -> list[torch.Tensor]:
+        """Features of several depths for a decoder that reads them (UNETR's skip connections): all
+        patches, no masking -> one [N, L, E] per entry of ``taps`` (block numbers 1..depth, ascending), the
+        tokens after that block with the cls token dropped; block ``depth`` after the final norm, as
+        :meth:`encode` gives it."""
+        if list(taps) != sorted(set(taps)) or not taps or taps[0] < 1 or taps[-1] > len(self.blocks):
+            raise ValueError(f"taps must be ascending block numbers in 1..{len(self.blocks)}, got {taps}")
+        x, _ = self._embed(imgs)
+        x = self._with_cls(x)
+        out, done = [], 0
+        for tap in taps:
+            x = self._run(self.blocks[done:tap], x)
+            done = tap
+            out.append((self.norm(x) if tap == len(self.blocks) else x)[:, 1:])
+        return out

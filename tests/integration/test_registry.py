@@ -110,14 +110,15 @@ def test_champion_follows_the_margin_rule(tmp_path):
 
     def reg(nmse):
         return registry.register(root, MODEL, export, config={}, metrics={"masked_nmse": nmse}, lineage=lineage("x"),
-                                 margin=margin)
+                                 champion=registry.Champion(margin=margin))
 
     assert reg(0.5)["champion"]  # the first version is champion: there is none to beat
     assert not reg(0.4375)["champion"]  # better, but by less than the margin
     assert reg(0.375)["champion"]  # better by exactly the margin
     assert not reg(0.3125)["champion"]  # better by 0.0625 < margin
     assert registry.champion_version(root, MODEL) == 3
-    assert not registry.maybe_promote(root, MODEL, 2, margin=margin)  # worse than the champion
+    rule = registry.Champion(margin=margin)
+    assert not registry.maybe_promote(root, MODEL, 2, champion=rule)  # worse than the champion
     assert registry.maybe_promote(root, MODEL, 2, force=True)  # forced: a person decided
     assert registry.champion_version(root, MODEL) == 2
     history = registry.champion_history(root, MODEL)
@@ -125,6 +126,29 @@ def test_champion_follows_the_margin_rule(tmp_path):
         (1, False, None), (3, False, 1), (2, True, 3)]
     with pytest.raises(SFMError, match="no champion"):
         registry.get(str(tmp_path / "empty"), MODEL, "champion")
+
+
+def test_a_downstream_gain_as_champion_metric_is_higher_is_better(tmp_path):
+    """[registry] champion_metric = ft_ap_gain_b4: the larger gain wins; a champion without the metric (an
+    encoder registered before it was chosen) loses to a version that has it."""
+    from sfm.config import JobConfig
+
+    root, export = str(tmp_path), str(tmp_path / "export")
+    export_model(export, seed=0)
+    rule = registry.Champion.of(JobConfig.from_toml(None, ["registry.champion_metric=ft_ap_gain_b4",
+                                                           "registry.margin=0.01"]).registry)
+    assert not rule.lower_is_better and registry.Champion().lower_is_better
+
+    def reg(metrics):
+        return registry.register(root, MODEL, export, config={}, metrics=metrics, lineage=lineage("x"), champion=rule)
+
+    assert reg({"masked_nmse": 0.5})["champion"]  # the first version: nothing to beat
+    assert reg({"masked_nmse": 0.6, "ft_ap_gain_b4": 0.02})["champion"]  # the champion lacks the metric
+    assert not reg({"masked_nmse": 0.4, "ft_ap_gain_b4": 0.025})["champion"]  # larger, by less than the margin
+    assert reg({"masked_nmse": 0.7, "ft_ap_gain_b4": 0.03})["champion"]  # larger by the margin: worse NMSE is no matter
+    assert [e["metric"] for e in registry.champion_history(root, MODEL)] == ["ft_ap_gain_b4"] * 3
+    with pytest.raises(SFMError, match="has no ft_ap_gain_b4"):
+        reg({"masked_nmse": 0.1})
 
 
 def sfm_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -103,3 +103,15 @@ def test_config_imports_no_layer_above_it():
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
     assert not {m for m in imported if m.split(".")[:2] in (["sfm", "data"], ["sfm", "model"], ["sfm", "ingest"])}
+
+
+def test_the_finetune_section_and_the_champion_metric_are_checked():
+    from sfm.config import EvalConfig, FinetuneConfig, JobConfig
+
+    assert FinetuneConfig().steps == EvalConfig().finetune_steps  # the evaluation's recipe is the default
+    for override, named in (("finetune.head=mlp", "finetune.head"), ("finetune.held_out=1", "finetune.held_out"),
+                            ("finetune.steps=0", "finetune.steps"),
+                            ("registry.champion_metric=ft_ap_gain_b16", "registry.champion_metric")):
+        with pytest.raises(SFMError, match=named):
+            JobConfig.from_toml(None, [override]).validate()
+    JobConfig.from_toml(None, ["registry.champion_metric=ft_ap_gain_b4", "finetune.head=unetr"]).validate()

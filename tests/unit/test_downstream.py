@@ -15,6 +15,7 @@ from sfm.config import EvalConfig, JobConfig
 from sfm.errors import SFMError
 from sfm.model import mae_config
 from sfm.model.mae import MaskedAutoencoder3D
+from sfm.model.segmenter import Segmenter
 
 # ---- scores ---------------------------------------------------------------------------------------
 
@@ -84,8 +85,8 @@ def test_tiles_cover_every_voxel_and_predictions_average_overlaps():
     # a head that reads each voxel's own amplitude: predictions must reproduce sigmoid(amplitude) exactly, with
     # abutting tiles and with test-time augmentation (a window or mirror view mapped back wrongly would misplace it)
     torch.manual_seed(0)
-    net = downstream.FaultSegmenter(MaskedAutoencoder3D(mae_config("tiny")))
-    net.forward = lambda imgs: imgs[:, 0]
+    net = Segmenter(MaskedAutoencoder3D(mae_config("tiny")))
+    net.forward = lambda imgs: imgs  # one logit per voxel: a binary task
     volume = np.random.default_rng(2).standard_normal((40, 36, 70)).astype(np.float32)
     for augment in (False, True):
         probs = volume_predict.predict(net, volume, augment=augment)
@@ -96,7 +97,7 @@ def test_test_time_augmentation_makes_a_real_network_mirror_equivariant():
     """Averaged over windows placed symmetrically and every mirroring, the prediction of a mirrored volume
     is the mirrored prediction; a plain tiling of a (random) network is not."""
     torch.manual_seed(3)
-    net = downstream.FaultSegmenter(MaskedAutoencoder3D(mae_config("tiny", **TINY)))
+    net = Segmenter(MaskedAutoencoder3D(mae_config("tiny", **TINY)))
     volume = np.random.default_rng(4).standard_normal((64, 64, 32)).astype(np.float32)
     for mirror in (lambda v: v[::-1], lambda v: v[:, ::-1], lambda v: v.transpose(1, 0, 2)):
         seen = volume_predict.predict(net, np.ascontiguousarray(mirror(volume)), augment=True)

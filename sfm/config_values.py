@@ -1,0 +1,87 @@
+"""How config values are read and checked (sfm.config): TOML literals and ``section.key=value`` overrides,
+coercion to a field's type, the range checks every section's ``check`` uses, and TOML out."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import types
+import typing
+from typing import Any
+
+from sfm.errors import SFMError
+
+
+def toml_text(config: dict[str, Any]) -> str:
+    """A job config dict ({section: {key: value}}) as TOML; None values are left out (the defaults)."""
+    lines = []
+    for section, values in config.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items() if value is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse_literal(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        return text
+
+
+@functools.cache
+def field_types(section: type) -> dict[str, Any]:
+    """The type of each field of the config section ``section``, as its annotation resolves."""
+    hints = typing.get_type_hints(section)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+
+
+def coerce(dotted: str, hint: Any, value: Any) -> Any:
+    """Convert ``value`` to the field's type ``hint``, with a one-line error naming the key on failure. A tuple
+    field takes a list, or one number for every element."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None
+        if value is None:
+            return None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    try:
+        if typing.get_origin(hint) is tuple:
+            elems = typing.get_args(hint)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = [value] * (1 if Ellipsis in elems else len(elems))
+            return tuple(elems[0](v) for v in value)
+        if hint is bool:
+            return value.lower() in ("1", "true", "yes") if isinstance(value, str) else bool(value)
+        if hint is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError("not an integer")
+            return int(value)
+        if hint in (float, str):
+            return hint(value)
+    except (TypeError, ValueError) as err:
+        name = hint.__name__ if isinstance(hint, type) else str(hint)
+        raise SFMError(f"config key '{dotted}' got {value!r}: {err}; expected {name}") from err
+    return value
+
+
+def at_least(section: str, values: Any, lows: dict[str, float], hints: dict[str, str] | None = None) -> None:
+    """SFMError for the first setting ``key`` of ``lows`` under its lower bound (``hints[key]`` follows the message)."""
+    for key, low in lows.items():
+        value = getattr(values, key)
+        if value < low:
+            raise SFMError(f"{section}.{key} = {value} must be at least {low}{(hints or {}).get(key, '')}")
+
+
+def fraction_in(key: str, value: float, ends: str, meaning: str) -> None:
+    """SFMError unless ``value`` lies in [0, 1] with the ends ``ends`` says: "[]", "[)" or "()"."""
+    low_ok = 0 <= value if ends[0] == "[" else 0 < value
+    high_ok = value <= 1 if ends[1] == "]" else value < 1
+    if not (low_ok and high_ok):
+        raise SFMError(f"{key} = {value} must be in {ends[0]}0, 1{ends[1]} ({meaning})")
+
+
+def one_of(key: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise SFMError(f"{key} = {value!r} is not valid; use one of {', '.join(valid)}")

@@ -1,0 +1,163 @@
+"""One process of a fine-tuning run: ``python -m sfm.finetune.job JOB.json``, one per rank under torchrun
+(:func:`sfm.finetune.run.finetune_node` starts them with :func:`sfm.distributed.launch.launch_node`).
+
+The job file (:func:`sfm.finetune.run.node_job`) names the job config (its ``[finetune]`` section is the
+recipe), the encoder (an exported model's URL, or none: a random initialisation of the config's
+architecture), the task, the labelled surveys with their roles and the run root. Every rank reads its
+own crops (:class:`sfm.finetune.samples.LabelledCrops`); gradients are averaged by DDP over gloo (NCCL on
+GPUs). Rank 0 scores the validation labels for early stopping, then writes the task model
+(``<run_root>/model``, :func:`sfm.model.segmenter.save_segmenter`) and ``<run_root>/summary.json``.
+
+LP-FT: ``probe_steps`` steps of the head alone on the frozen encoder (at ``probe_lr``), then
+``steps`` steps of the whole network with layer decay (at ``lr``, or ``lr_random`` for a random
+encoder), both through :func:`sfm.finetune.loop.train_steps`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from sfm import storage
+from sfm.config import LABEL_IGNORE, JobConfig
+from sfm.errors import SFMError
+from sfm.finetune.loop import class_weights, masked_loss, set_trainable, train_steps
+from sfm.finetune.samples import LabelledCrops, LabelledSurveys, Split, finetune_data, split_roles
+from sfm.finetune.scores import validation_score
+from sfm.model.segmenter import Segmenter, Task, save_segmenter
+
+
+def encoder_of(job: dict[str, Any], cfg: JobConfig, seed: int):
+    """The encoder to fine-tune: the exported model at ``job["encoder_url"]``, or (none) the config's
+    architecture at the random initialisation of ``seed`` (the same on every rank, drawn on the CPU)."""
+    from sfm.model import load, model_config_for
+    from sfm.model.mae import MaskedAutoencoder3D
+
+    if job["encoder_url"]:
+        return load(job["encoder_url"])
+    torch.manual_seed(10_000 + seed)  # as the evaluation's random arm
+    return MaskedAutoencoder3D(model_config_for(cfg))
+
+
+def training_classes(surveys: LabelledSurveys, split: Split, task: Task) -> list[float]:
+    """The fraction of each class among the training labels (what the loss weights balance), after
+    checking every label is a class of ``task``."""
+    counts = np.zeros(LABEL_IGNORE + 1, np.int64)
+    for k, traces in enumerate(split.train):
+        if traces.any():
+            labels = np.asarray(surveys.labels[k][...])
+            counts += np.bincount(labels[traces].ravel(), minlength=LABEL_IGNORE + 1)
+    present = np.flatnonzero(counts[:LABEL_IGNORE])
+    if present[-1] >= task.classes:
+        raise SFMError(f"the training labels hold class {int(present[-1])}, beyond the task {task.name} (classes "
+                       f"0..{task.classes - 1}); pass --task classes:{int(present[-1]) + 1}")
+    return (counts[:task.classes] / counts[:task.classes].sum()).tolist()
+
+
+class Validation:
+    """Rank 0's early-stopping score: the validation parts read once, predicted plainly, scored
+    (:func:`sfm.finetune.scores.validation_score`)."""
+
+    def __init__(self, surveys: LabelledSurveys, split: Split):
+        self.parts = [surveys.read_part(p) for p in split.validation]
+
+    def __call__(self, net: Segmenter) -> float:
+        from sfm.eval.volume_predict import predict
+
+        return validation_score([predict(net, a) for a, _ in self.parts], [lab for _, lab in self.parts])
+
+
+def wrapped(net: Segmenter, world: int, freeze_encoder: bool):
+    """What runs the batches: ``net``, or over several ranks its DDP wrapper (made after the encoder is
+    frozen or not: DDP reduces the gradients of the parameters that learn)."""
+    set_trainable(net, freeze_encoder)
+    if world == 1:
+        return net
+    from sfm.distributed.strategies import apply_strategy
+
+    return apply_strategy(net, "ddp")
+
+
+def fine_tune(job: dict[str, Any], rank: int = 0, world: int = 1) -> dict[str, Any] | None:
+    """This rank's share of the run; rank 0 returns the summary (also written to the run root)."""
+    t0 = time.perf_counter()
+    cfg = JobConfig.from_dict(job["config"])
+    ft = cfg.finetune
+    mae = encoder_of(job, cfg, ft.seed)
+    surveys = LabelledSurveys([tuple(p) for p in job["pairs"]], finetune_data(cfg, mae.cfg.crop))
+    split = split_roles(surveys, job["roles"], ft.validation, ft.held_out)
+    task = Task.parse(job["task"], head=ft.head, width=ft.head_width)
+    weights = class_weights(training_classes(surveys, split, task))
+    crops = LabelledCrops(surveys, split.train, rank, world)
+    torch.manual_seed(ft.seed)
+    net = Segmenter(mae, task)
+    validate = Validation(surveys, split) if rank == 0 and split.validation else None
+    offset = [0]  # the probe's batches come first, fine-tuning's after them: no crop is drawn twice
+
+    def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        imgs, labels = crops.batch(offset[0] + step)
+        return torch.from_numpy(imgs), torch.from_numpy(labels)
+
+    def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return masked_loss(logits, labels, weights, LABEL_IGNORE)
+
+    probe = ft.linear_first and ft.probe_steps > 0
+    if probe:  # LP: the head alone on the frozen encoder
+        recipe = dataclasses.replace(ft, steps=ft.probe_steps, lr=ft.probe_lr, layer_decay=1.0)
+        train_steps(net, recipe, batches, loss_of, forward=wrapped(net, world, True), freeze_encoder=True)
+        offset[0] = ft.probe_steps
+    recipe = dataclasses.replace(ft, lr=ft.lr_random) if not job["encoder_url"] and ft.lr_random > 0 else ft
+    train_steps(net, recipe, batches, loss_of, forward=wrapped(net, world, False), validate=validate,
+                score_start=probe)
+    crops.close()
+    if rank != 0:
+        return None
+    model_url = storage.join(job["run_root"], "model")
+    save_segmenter(net, model_url, {"lineage": job["lineage"]})
+    summary = {"model_url": model_url, "steps": recipe.steps, "probe_steps": ft.probe_steps if probe else 0,
+               "chosen_step": net.chosen_step, "validation": net.validation, "world_size": world,
+               "lr": recipe.lr, "class_fractions": [float(1 / (len(weights) * w)) for w in weights.tolist()],
+               "seconds": time.perf_counter() - t0}
+    storage.write_bytes(storage.join(job["run_root"], "summary.json"), json.dumps(summary, indent=1).encode())
+    print(f"sfm finetune: {recipe.steps} steps on {world} rank(s), kept step {net.chosen_step} "
+          f"({summary['seconds']:.0f}s) -> {model_url}", flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m sfm.finetune.job JOB.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as fh:
+        job = json.load(fh)
+    cfg = JobConfig.from_dict(job["config"])
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if cfg.train.threads_per_process > 0:
+        torch.set_num_threads(cfg.train.threads_per_process)
+    if world > 1:
+        import torch.distributed as dist
+
+        backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend, timeout=dt.timedelta(seconds=cfg.dist.timeout_s))
+    try:
+        fine_tune(job, rank, world)
+    except SFMError as err:
+        print(f"sfm finetune: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if world > 1:
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

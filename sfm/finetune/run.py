@@ -1,0 +1,206 @@
+"""What each step of ``flows/finetune_flow.py`` does: one function per step, no Metaflow imports.
+
+    encoder = resolve_encoder("champion", data_root, cfg)      # start: the weights, or random
+    pairs = plan_pairs(surveys, labels, held_out, ...)          # start: every survey with its labels and role
+    pairs = ingest_pairs(pairs, data_root, cfg)                  # ingest: surveys and labels published
+    job = node_job(cfg, pairs, encoder, task, run_root)          # launch
+    summary = finetune_node(job, nodes, node_index, ...)        # finetune: 1..N ranks (sfm.finetune.job)
+    metrics, figures = evaluate(job, summary)                   # evaluate: held-out AP, F1, IoU; the card
+    record = register(data_root, name, job, summary, metrics, pathspec)   # register: sfm-<name>/vN
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sfm import registry, storage
+from sfm.config import JobConfig
+from sfm.errors import SFMError
+from sfm.ingest import manifest
+
+HEX = set("0123456789abcdef")
+
+
+def is_id(text: str) -> bool:
+    """A survey or label id: 16 hex digits (what the manifest names them by)."""
+    return len(text) == 16 and set(text) <= HEX
+
+
+def resolve_encoder(encoder: str, data_root: str, cfg: JobConfig) -> dict[str, Any]:
+    """What ``--encoder`` names: ``random`` (the config's architecture, randomly initialised: the baseline),
+    ``champion|latest|vN`` of ``[registry] model_name`` in ``data_root``, or an exported model's URL.
+    Returns {"url": the weights ("" for random), "encoder": how lineage names it, "version": N or None}."""
+    from sfm.model import model_config_for
+
+    value = str(encoder).strip()
+    if value == "random":
+        model_config_for(cfg)  # the architecture makes a model
+        return {"url": "", "encoder": "random", "version": None}
+    if value in ("champion", "latest") or (value[:1] == "v" and value[1:].isdigit()) or value.isdigit():
+        name = cfg.registry.model_name
+        version = registry.resolve(data_root, name, value)
+        registry.get(data_root, name, version)  # refuses a version that is not there
+        return {"url": registry.version_url(data_root, name, version), "encoder": f"{name}:v{version}",
+                "version": version}
+    url = storage.normalize(value)
+    config_url = storage.join(url, "config.json")
+    if not storage.exists(config_url) or "task" in json.loads(storage.read_bytes(config_url)):
+        raise SFMError(f"--encoder {value} is not an exported encoder (no config.json of an MAE there); give "
+                       "champion, latest, vN, random or an encoder's folder")
+    return {"url": url, "encoder": url, "version": None}
+
+
+def plan_pairs(surveys: str, labels: str, held_out: str = "", held_out_labels: str = "", validation: str = "",
+               validation_labels: str = "") -> list[dict[str, str]]:
+    """Every labelled survey with its role: ``surveys``/``labels`` train, ``validation`` pairs stop early,
+    ``held_out`` pairs are scored (a fraction in ``held_out`` instead holds out labelled lines: see
+    :func:`held_out_fraction`). Surveys: SEG-Y/MDIO to ingest, survey ids or survey store URLs; labels:
+    label files to ingest, or label ids."""
+    out = []
+    for role, names, files in (("train", surveys, labels), ("validation", validation, validation_labels),
+                               ("test", "" if held_out_fraction(held_out) else held_out, held_out_labels)):
+        names, files = storage.split_urls(names), storage.split_urls(files)
+        if len(names) != len(files):
+            flag = {"train": "--surveys / --labels", "validation": "--validation / --validation-labels",
+                    "test": "--held-out / --held-out-labels"}[role]
+            raise SFMError(f"{flag} name {len(names)} survey(s) and {len(files)} label set(s); pair them one to one")
+        out += [{"survey": s, "labels": lab, "role": role} for s, lab in zip(names, files)]
+    if not any(p["role"] == "train" for p in out):
+        raise SFMError("no labelled survey to fine-tune on; pass --surveys and --labels")
+    return out
+
+
+def held_out_fraction(held_out: str) -> float | None:
+    """``--held-out`` as a fraction of the labelled lines (e.g. 0.2), or None when it names surveys."""
+    try:
+        value = float(held_out)
+    except ValueError:
+        return None
+    if not 0 < value < 1:
+        raise SFMError(f"--held-out {held_out} is not a fraction of the labelled lines; give one in (0, 1) or surveys")
+    return value
+
+
+def survey_store(survey: str, data_root: str, cfg: JobConfig) -> dict[str, Any]:
+    """The manifest row of ``survey``: a published survey id, a survey store URL, or a source to ingest."""
+    from sfm.ingest.survey import ingest_survey
+
+    if is_id(survey):
+        row = manifest.get_row(data_root, survey)
+        if row is None:
+            raise SFMError(f"survey {survey} is not published in {data_root}; ingest it or name its SEG-Y")
+        return row
+    if survey.rstrip("/").endswith(".zarr"):
+        from sfm.ingest.contracts import read_store_attrs
+
+        row = manifest.get_row(data_root, read_store_attrs(storage.normalize(survey))["survey_id"])
+        if row is None:
+            raise SFMError(f"survey store {survey} is not published in {data_root}; name its SEG-Y to ingest it")
+        return row
+    return ingest_survey(survey, data_root, cfg.ingest)
+
+
+def ingest_pairs(pairs: list[dict[str, str]], data_root: str, cfg: JobConfig) -> list[dict[str, Any]]:
+    """Publish every survey and its labels (sources already published are found, not copied again);
+    returns the pairs with their store URLs and ids."""
+    from sfm.ingest.labels import ingest_labels
+
+    out = []
+    for pair in pairs:
+        row = survey_store(pair["survey"], data_root, cfg)
+        if is_id(pair["labels"]):
+            labels = manifest.get_label_row(data_root, pair["labels"])
+            if labels is None or labels["survey_id"] != row["survey_id"]:
+                raise SFMError(f"label set {pair['labels']} is not published for survey {row['survey_id']} in "
+                               f"{data_root}; ingest it with `sfm ingest-labels`")
+        else:
+            labels = ingest_labels(pair["labels"], row["survey_id"], data_root)
+        print(f"sfm finetune: {pair['role']}: {row['name']} with labels {labels['name']} ({labels['labelled_voxels']} "
+              f"labelled voxels on {labels['labelled_inlines']} inlines)")
+        out.append({**pair, "store_url": row["store_url"], "label_url": labels["store_url"],
+                    "survey_id": row["survey_id"], "label_id": labels["label_id"], "name": labels["name"]})
+    return out
+
+
+def node_job(cfg: JobConfig, pairs: list[dict[str, Any]], encoder: dict[str, Any], task: str,
+             run_root: str) -> dict[str, Any]:
+    """The job file every rank reads (:mod:`sfm.finetune.job`), after checking the task."""
+    from sfm.model.segmenter import Task
+
+    try:
+        Task.parse(task, head=cfg.finetune.head)
+    except ValueError as err:
+        raise SFMError(f"--task {task}: {err}") from None
+    return {"config": cfg.to_dict(), "encoder_url": encoder["url"], "task": task, "run_root": run_root,
+            "pairs": [[p["store_url"], p["label_url"]] for p in pairs], "roles": [p["role"] for p in pairs],
+            "lineage": {"encoder": encoder["encoder"], "labels": [p["label_id"] for p in pairs]}}
+
+
+def finetune_node(job: dict[str, Any], *, nodes: int, procs_per_node: int, node_index: int, main_addr: str,
+                  rendezvous_key: str) -> dict[str, Any] | None:
+    """Launch this node's fine-tuning processes (:func:`sfm.distributed.launch.launch_node`); node 0 returns
+    the run's summary."""
+    from sfm.distributed import launch
+
+    node = launch.NodeLaunch(nodes, procs_per_node, node_index, main_addr, launch.port_for(rendezvous_key))
+    node.check(job["run_root"])
+    launch.launch_node(job, **vars(node), module="sfm.finetune.job")
+    if node_index != 0:
+        return None
+    return json.loads(storage.read_bytes(storage.join(job["run_root"], "summary.json")))
+
+
+def evaluate(job: dict[str, Any], summary: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The task model's scores on the held-out labels (:func:`sfm.finetune.scores.held_out_scores`; a binary
+    task's threshold chosen on the validation labels), and the figures of the card: the first held-out
+    part's amplitude, labels and prediction."""
+    from sfm.eval.volume_predict import predict
+    from sfm.finetune.samples import LabelledSurveys, finetune_data, split_roles
+    from sfm.finetune.scores import held_out_scores, threshold_of
+    from sfm.model.segmenter import load_segmenter
+
+    cfg = JobConfig.from_dict(job["config"])
+    ft = cfg.finetune
+    net = load_segmenter(summary["model_url"])
+    surveys = LabelledSurveys([tuple(p) for p in job["pairs"]], finetune_data(cfg, net.crop))
+    split = split_roles(surveys, job["roles"], ft.validation, ft.held_out)
+    threshold, chosen_on = None, "the held-out labels (no validation labels)"
+    if split.validation and net.task.kind == "binary":
+        parts = [surveys.read_part(p) for p in split.validation]
+        threshold = threshold_of([predict(net, a, augment=ft.test_augment) for a, _ in parts], [lab for _, lab in parts])
+        chosen_on = "the validation labels"
+    parts = [surveys.read_part(p) for p in split.test]
+    probs = [predict(net, a, augment=ft.test_augment) for a, _ in parts]
+    metrics = held_out_scores(probs, [lab for _, lab in parts], threshold)
+    metrics.update(chosen_step=summary["chosen_step"], steps=summary["steps"], threshold_chosen_on=chosen_on,
+                   validation_score=max((s for _, s in summary["validation"]), default=None),
+                   held_out_parts=len(parts))
+    first = split.test[0]
+    figures = {"amplitude": parts[0][0], "labels": parts[0][1], "prediction": probs[0], "axis": first.axis,
+               "survey": job["pairs"][first.survey][0], "task": net.task.to_dict()}
+    return metrics, figures
+
+
+def register(data_root: str, name: str, job: dict[str, Any], summary: dict[str, Any], metrics: dict[str, Any],
+             run_pathspec: str) -> dict[str, Any]:
+    """Register the task model as ``sfm-<name>`` with lineage to its encoder and label sets and its held-out
+    scores; the champion is the version with the best held-out AP (by ``[registry] margin``)."""
+    from sfm.pipeline import code_version
+
+    cfg = JobConfig.from_dict(job["config"])
+    model_name = f"sfm-{name}"
+    roles = job["roles"]
+    lineage = {"run_pathspec": run_pathspec, "manifest_version": manifest.version(data_root),
+               "code_version": code_version(), "task": job["task"], "encoder": job["lineage"]["encoder"],
+               "encoder_url": job["encoder_url"],
+               "surveys": [s for (s, _), r in zip(job["pairs"], roles) if r == "train"],
+               "held_out_surveys": [s for (s, _), r in zip(job["pairs"], roles) if r == "test"],
+               "labels": [{"label_id": i, "survey": s, "role": r}
+                          for i, (s, _), r in zip(job["lineage"]["labels"], job["pairs"], roles)]}
+    record = registry.register(data_root, model_name, summary["model_url"], config=cfg.to_dict(), metrics=metrics,
+                               lineage=lineage, champion=registry.Champion("ap", cfg.registry.margin))
+    print(f"sfm register: {model_name} v{record['version']}{' (champion)' if record['champion'] else ''}: held-out "
+          f"AP {metrics['ap']:.4f}, F1 {metrics['f1']:.4f}, IoU {metrics['iou']:.4f} "
+          f"(encoder {lineage['encoder']}) at {registry.version_url(data_root, model_name, record['version'])}")
+    return record

@@ -1,0 +1,207 @@
+"""Task models: an MAE's encoder plus a segmentation head, and their export.
+
+A :class:`Segmenter` maps imgs [N, 1, D, H, W] to logits [N, C, D, H, W] for crops of ``crop`` voxels:
+C = 1 for a binary task (one logit, class 1 against 0), C = N for ``classes:N`` (one logit per class).
+Two heads, chosen by :attr:`Task.head`:
+
+- ``"linear"``: a linear layer per token that emits the patch's voxels (what the downstream evaluation
+  fine-tunes: whatever the head finds must be in the final tokens);
+- ``"unetr"``: a light decoder in the manner of UNETR (Hatamizadeh et al., 2022): the tokens of several
+  encoder blocks (``taps``) projected to ``width`` channels each, deconvolved from the patch grid to
+  voxels, joined with a convolution of the input volume at full resolution (UNETR's first skip), and
+  fused by a 3 x 3 x 3 convolution before a per-voxel classifier. Fine detail a token cannot hold
+  (a fault's exact trace) can come from the input path, the context from the encoder.
+
+Export (``save_segmenter`` / ``load_segmenter``), the registry's format: ``model.safetensors`` (the
+encoder and the head; the MAE's reconstruction decoder is not part of a task model) and ``config.json``
+holding ``model`` (the MAEConfig), ``task`` (:meth:`Task.to_dict`) and whatever ``meta`` the caller adds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from torch import nn
+
+from sfm.config import LABEL_IGNORE
+
+from .mae import MAEConfig, MaskedAutoencoder3D
+
+HEADS = ("linear", "unetr")
+KINDS = ("binary", "classes")
+DECODER_KEYS = ("mae.decoder_", "mae.mask_token")  # the MAE's reconstruction decoder: not exported
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a task model segments and which head reads the encoder."""
+
+    kind: str = "binary"  # "binary": one logit per voxel (class 1 against 0); "classes": one per class
+    classes: int = 2  # label classes 0..classes-1 (2 for binary)
+    head: str = "linear"  # "linear" (per token) or "unetr" (light decoder over several blocks)
+    ignore: int = LABEL_IGNORE  # label value left out of the loss and the scores
+    width: int = 16  # channels of the unetr decoder
+    taps: tuple[int, ...] = ()  # encoder blocks the unetr decoder reads (empty: 4 evenly spaced, the last included)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"task kind must be one of {KINDS}, got {self.kind!r}")
+        if self.head not in HEADS:
+            raise ValueError(f"task head must be one of {HEADS}, got {self.head!r}")
+        if self.classes < 2 or (self.kind == "binary" and self.classes != 2):
+            raise ValueError(f"a {self.kind} task needs {'2' if self.kind == 'binary' else 'at least 2'} classes, "
+                             f"got {self.classes}")
+        if not 0 <= self.ignore <= 255 or self.ignore < self.classes:
+            raise ValueError(f"the ignore value must be a uint8 above the classes, got {self.ignore}")
+        object.__setattr__(self, "taps", tuple(int(t) for t in self.taps))
+
+    @property
+    def channels(self) -> int:
+        """Logits per voxel: 1 for a binary task, ``classes`` otherwise."""
+        return 1 if self.kind == "binary" else self.classes
+
+    @property
+    def name(self) -> str:
+        """``binary`` or ``classes:N``, as the fine-tune flow's ``--task`` reads."""
+        return self.kind if self.kind == "binary" else f"classes:{self.classes}"
+
+    @classmethod
+    def parse(cls, text: str, **settings) -> Task:
+        """``"binary"`` or ``"classes:N"`` (plus any other field) -> Task; ValueError otherwise."""
+        text = text.strip()
+        if text == "binary":
+            return cls(kind="binary", classes=2, **settings)
+        kind, _, count = text.partition(":")
+        if kind != "classes" or not count.isdigit():
+            raise ValueError(f"task {text!r} is not a task; use binary or classes:N")
+        return cls(kind="classes", classes=int(count), **settings)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "taps": list(self.taps)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Task:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def default_taps(depth: int) -> tuple[int, ...]:
+    """Four evenly spaced blocks of a ``depth``-block encoder, the last included (UNETR reads 3, 6, 9, 12 of 12)."""
+    return tuple(sorted({max(1, round(depth * k / 4)) for k in range(1, 5)}))
+
+
+def voxels(x: torch.Tensor, grid: tuple[int, int, int], patch: tuple[int, int, int]) -> torch.Tensor:
+    """Per-token voxel values x [N, L, pd*ph*pw*C] (channels last, as MAE's patchify) -> [N, C, D, H, W]."""
+    (gd, gh, gw), (pd, ph, pw) = grid, patch
+    n, channels = x.shape[0], x.shape[-1] // (pd * ph * pw)
+    x = x.reshape(n, gd, gh, gw, pd, ph, pw, channels).permute(0, 7, 1, 4, 2, 5, 3, 6)
+    return x.reshape(n, channels, gd * pd, gh * ph, gw * pw)
+
+
+class UNETRDecoder(nn.Module):
+    """tokens of several blocks (each [N, L, E]) and the input imgs [N, Ci, D, H, W] -> logits [N, C, D, H, W]."""
+
+    def __init__(self, cfg: MAEConfig, channels: int, width: int, taps: int):
+        super().__init__()
+        self.patch = tuple(cfg.patch)
+        self.project = nn.ModuleList(nn.Sequential(nn.LayerNorm(cfg.embed_dim, eps=1e-6), nn.Linear(cfg.embed_dim, width))
+                                     for _ in range(taps))
+        self.up = nn.ConvTranspose3d(taps * width, width, kernel_size=self.patch, stride=self.patch)
+        self.stem = nn.Sequential(nn.Conv3d(cfg.in_chans, width, 3, padding=1), nn.GELU())
+        self.fuse = nn.Sequential(nn.Conv3d(2 * width, width, 3, padding=1), nn.GELU())
+        self.classify = nn.Conv3d(width, channels, 1)
+
+    def forward(self, features: list[torch.Tensor], imgs: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        n = imgs.shape[0]
+        tokens = torch.cat([p(f) for p, f in zip(self.project, features)], dim=-1)  # [N, L, taps * width]
+        coarse = tokens.transpose(1, 2).reshape(n, -1, *grid)  # D-major token order, as patchify
+        fine = torch.cat([self.up(coarse), self.stem(imgs)], dim=1)  # [N, 2 * width, D, H, W]
+        return self.classify(self.fuse(fine))
+
+
+class Segmenter(nn.Module):
+    """An MAE's encoder plus a segmentation head: imgs [N, 1, D, H, W] -> logits [N, C, D, H, W] (C:
+    :attr:`Task.channels`), on the encoder's device (inputs are moved there). ``crop``: the crop it was
+    fine-tuned on (D, H, W), the window a whole-volume prediction slides; any size divisible by the
+    patch runs."""
+
+    def __init__(self, mae: MaskedAutoencoder3D, task: Task | None = None):
+        super().__init__()
+        self.mae = mae
+        self.task = task or Task()
+        self.crop = tuple(mae.cfg.crop)
+        cfg = mae.cfg
+        if self.task.head == "linear":
+            self.head = nn.Linear(cfg.embed_dim, math.prod(cfg.patch) * self.task.channels)
+            nn.init.trunc_normal_(self.head.weight, std=0.02)
+            nn.init.zeros_(self.head.bias)
+        else:
+            self.taps = self.task.taps or default_taps(cfg.depth)
+            self.head = UNETRDecoder(cfg, self.task.channels, self.task.width, len(self.taps))
+        self.head.to(next(mae.parameters()).device)
+
+    def forward(self, imgs: torch.Tensor) -> torch.Tensor:
+        imgs = imgs.to(next(self.head.parameters()).device, non_blocking=True)
+        grid = self.mae.grid_shape(imgs)
+        if self.task.head == "linear":
+            return self.logits(self.mae.encode(imgs), grid)
+        return self.head(self.mae.encode_blocks(imgs, self.taps), imgs, grid)
+
+    def logits(self, tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """The linear head: final tokens [N, L, E] -> per-voxel logits [N, C, D, H, W]."""
+        return voxels(self.head(tokens), grid, self.mae.cfg.patch)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [N, C, ...] -> probabilities [N, C, ...]: the sigmoid of a binary task's one logit (of
+        class 1), the softmax over the classes otherwise."""
+        return torch.sigmoid(logits) if self.task.kind == "binary" else torch.softmax(logits, dim=1)
+
+
+# ---- export --------------------------------------------------------------------------------------
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+def save_segmenter(net: Segmenter, url: str, meta: dict | None = None) -> None:
+    """Write ``url``/model.safetensors (encoder and head) and ``url``/config.json (``model``, ``task`` and
+    ``meta``'s keys), the config last: the export is complete once it exists."""
+    from safetensors.torch import save as save_safetensors
+
+    from sfm import storage  # lazy: the model package imports with torch alone
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in net.state_dict().items() if not k.startswith(DECODER_KEYS)}
+    storage.write_bytes(storage.join(url, WEIGHTS), save_safetensors(tensors))
+    config = {**(meta or {}), "model": net.mae.cfg.to_dict(), "task": net.task.to_dict()}
+    storage.write_bytes(storage.join(url, CONFIG), json.dumps(config, indent=2, sort_keys=True).encode())
+
+
+def segmenter_from_files(config: bytes, weights: bytes, where: str) -> Segmenter:
+    """The Segmenter a config.json and model.safetensors describe (``where`` names them in errors)."""
+    from safetensors.torch import load as load_safetensors
+
+    from sfm.errors import SFMError
+
+    meta = json.loads(config)
+    if "task" not in meta:
+        raise SFMError(f"{where} is not a task model (its config.json has no task section); "
+                       "fine-tune one with flows/finetune_flow.py")
+    net = Segmenter(MaskedAutoencoder3D(MAEConfig.from_dict(meta["model"])), Task.from_dict(meta["task"]))
+    missing, unexpected = net.load_state_dict(load_safetensors(weights), strict=False)
+    if unexpected or any(not k.startswith(DECODER_KEYS) for k in missing):
+        raise SFMError(f"{where}: the weights do not match the config ({len(unexpected)} unexpected, "
+                       f"{len(missing)} missing tensors); re-export the task model")
+    net.meta = meta
+    return net.eval()
+
+
+def load_segmenter(url: str, map_location: str | torch.device = "cpu") -> Segmenter:
+    """The task model exported at ``url`` (a folder, local or s3://, holding model.safetensors and config.json)."""
+    from sfm import storage
+
+    config = storage.read_bytes(storage.join(url, CONFIG))
+    weights = storage.read_bytes(storage.join(url, WEIGHTS))
+    return segmenter_from_files(config, weights, url).to(map_location)

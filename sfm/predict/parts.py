@@ -1,0 +1,221 @@
+"""A whole-survey prediction as steps: plan, predict parts, publish. ``sfm predict`` runs them in one
+process (every part not yet written, then the publish; or with ``--part K`` one part alone); the predict flow
+runs each part in its own task:
+
+    plan = plan_prediction(opts)     # one task: the model and survey checked, the store's arrays made
+    run_part(plan, k)                # per task (or GPU): the shards of part k's shard rows
+    publish_prediction(plan)         # one task: the SEG-Y export if asked, then the root zarr.json, last
+
+A part is a run of whole output shard rows (:func:`sfm.ingest.parts.split`), so parts write disjoint
+objects. A killed part is simply run again: what finished parts wrote (their shards and markers) is kept
+and reused, because a rerun with the same model, survey and settings finds the plan it staged
+(:attr:`sfm.predict.store.PredictionPlan.identity`); other settings into an unfinished store are refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sfm import storage
+from sfm.errors import SFMError
+from sfm.predict import store
+from sfm.predict.store import PredictionPlan
+
+OUTPUTS = ("probability", "classes")
+LAYOUTS = ("sfm", "mdio")
+
+
+@dataclass
+class PredictOptions:
+    """What ``sfm predict`` and the predict flow take (see ``sfm predict --help``)."""
+
+    model: str  # NAME[:vN] in data_root's registry, or an exported task model's URL
+    survey: str  # the survey store's URL
+    out: str  # the prediction store's URL
+    data_root: str = "sfm_data"
+    output: str = "probability"  # probability | classes
+    mirror: bool = False  # test-time mirroring: inline/crossline flips (and swap) averaged
+    layout: str = "sfm"  # sfm | mdio
+    segy: str = ""  # also export a SEG-Y with the source's trace headers here
+    parts: int = 1  # tasks the survey is split into (runs of whole shard rows)
+    overlap: float = 0.5  # of a crop, between neighbouring windows
+    batch_size: int = 8  # windows per network call
+    device: str = "auto"  # auto (a GPU if there is one) | cpu | cuda | cuda:N
+
+    def check(self) -> None:
+        """Every setting valid, or SFMError naming it."""
+        if self.output not in OUTPUTS:
+            raise SFMError(f"--output {self.output!r}: use probability or classes")
+        if self.layout not in LAYOUTS:
+            raise SFMError(f"--layout {self.layout!r}: use sfm, or mdio (read and exported by MDIO's tools too)")
+        if not 0 <= float(self.overlap) < 1:
+            raise SFMError(f"--overlap {self.overlap} must be in [0, 1) (a fraction of the crop; 0.5 by default)")
+        if int(self.parts) < 1 or int(self.batch_size) < 1:
+            raise SFMError(f"--parts {self.parts} and --batch-size {self.batch_size} must be at least 1")
+        if not self.out:
+            raise SFMError("--out is required: the URL of the prediction store to write")
+
+
+def device_of(name: str) -> str:
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+# ---- plan ---------------------------------------------------------------------------------------------
+
+
+def _survey_info(url: str):
+    from sfm.data.survey import read_survey_info
+
+    if not storage.exists(storage.join(url, "zarr.json")):
+        raise SFMError(f"--survey {url} is not a survey store (no zarr.json); ingest the survey with `sfm ingest "
+                       "FILE --out DATA_ROOT` and pass the store URL it prints")
+    return read_survey_info(url)[0]
+
+
+def store_shape(info, channels: int, output: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(shape, bricks, shards) of the predicted variable: the survey's bricks, shards of whole bricks along
+    the samples (up to :data:`sfm.ingest.options.SHARD_BYTES`); a class axis last for several probabilities."""
+    from sfm.ingest.options import SHARD_BYTES
+
+    shape = tuple(int(n) for n in info.shape)
+    bricks = tuple(min(int(b), n) for b, n in zip(info.bricks, shape))
+    per_brick = math.prod(bricks) * (4 * channels if output == "probability" else 1)
+    per_shard = max(1, min(-(-shape[2] // bricks[2]), SHARD_BYTES // per_brick))
+    shards = (bricks[0], bricks[1], bricks[2] * per_shard)
+    if output == "probability" and channels > 1:
+        return shape + (channels,), bricks + (channels,), shards + (channels,)
+    return shape, bricks, shards
+
+
+def plan_prediction(opts: PredictOptions) -> PredictionPlan:
+    """Check the model, the survey and the output, then make the store's arrays and stage the plan; a plan
+    staged before with the same identity is returned as it is (its finished parts are reused)."""
+    from sfm.ingest.parts import split
+    from sfm.predict.task_model import load_task_model
+
+    opts.check()
+    out, survey = storage.normalize(opts.out), storage.normalize(opts.survey)
+    if store.published(out):
+        raise SFMError(f"--out {out} already holds a published store; choose another --out, or remove it first")
+    model = load_task_model(opts.model, opts.data_root)
+    info = _survey_info(survey)
+    crop = tuple(int(c) for c in model.net.crop)
+    shape, bricks, shards = store_shape(info, model.channels, opts.output)
+    rows = split(-(-shape[0] // bricks[0]), int(opts.parts))
+    if len(rows) < int(opts.parts):
+        raise SFMError(f"--parts {opts.parts}: {survey} has only {len(rows)} shard rows of {bricks[0]} inlines; "
+                       f"use at most {len(rows)} parts")
+    settings = {"overlap": float(opts.overlap), "mirror": bool(opts.mirror), "layout": opts.layout,
+                "segy": storage.normalize(opts.segy) if opts.segy else "", "crop": list(crop),
+                "channels": model.channels, "batch_size": int(opts.batch_size)}
+    resolved = f"{model.name}:v{model.version}" if model.name else model.url
+    same = {"model_sha256": model.sha256, "survey": survey, "survey_version": info.version, "output": opts.output,
+            "parts": len(rows), "shape": shape, "bricks": bricks,
+            **{k: settings[k] for k in ("overlap", "mirror", "layout", "segy")}}
+    identity = hashlib.sha256(json.dumps(same, sort_keys=True).encode()).hexdigest()[:16]
+    staged = store.staged_plan(out)
+    if staged is not None:
+        if staged.identity != identity:
+            raise SFMError(f"--out {out} holds an unfinished prediction with other settings (model, survey, output, "
+                           "overlap, mirroring, layout, SEG-Y or parts); rerun with those, or remove it first")
+        return staged
+    if settings["segy"] and storage.exists(settings["segy"]):
+        raise SFMError(f"--segy {settings['segy']} already exists; choose another file, or remove it first")
+    plan = PredictionPlan(out, survey, resolved, storage.normalize(opts.data_root) if model.name else "",
+                          opts.output, shape, bricks, shards, [tuple(r) for r in rows], settings, identity)
+    if plan.settings["segy"]:
+        from sfm.predict.segy_export import header_source
+
+        header_source(plan)  # refused now, not after the work
+    group, survey_attrs, _ = store.open_source(survey)
+    plan.settings["axis"] = store.output_axis(group, survey_attrs, opts.layout)
+    writer = store.create_arrays(plan)
+    plan.metadata = writer.metadata()
+    plan.attrs = store.root_attributes(plan, survey_attrs, model.describe())
+    storage.write_bytes(storage.join(store.staging(out), "plan.json"), plan.to_json())
+    return plan
+
+
+# ---- parts ----------------------------------------------------------------------------------------------
+
+
+def run_part(plan: PredictionPlan, part: int, device: str = "auto", progress: bool = False) -> dict[str, Any]:
+    """Predict part ``part`` of ``plan`` (unless its marker says it is done) and write its marker, last.
+    Returns its summary: windows, voxels, seconds (wall, CPU, in the network)."""
+    from sfm.config import DataConfig
+    from sfm.data import Surveys
+    from sfm.predict.slabs import InlineBand, RowWriter, SlabBlender, predict_rows
+    from sfm.predict.task_model import load_task_model, window_probabilities
+    from sfm.predict.windows import WindowGrid, mirrorings
+
+    if not 0 <= part < len(plan.rows):
+        raise SFMError(f"--part {part} is not a part of {len(plan.rows)} (0..{len(plan.rows) - 1})")
+    if store.part_done(plan, part):
+        return {"part": part, "reused": True}
+    cpu, clock = time.process_time(), time.perf_counter()
+    model = load_task_model(plan.model, plan.data_root, device_of(device))
+    if plan.attrs["model"]["sha256"] != model.sha256:
+        raise SFMError(f"{plan.model} changed since prediction {plan.out} was planned; remove {plan.out} and "
+                       "predict again")
+    lo, hi = plan.inlines(part)
+    crop = tuple(plan.settings["crop"])
+    data = DataConfig(crop=(1, 1, 1))
+    surveys = Surveys([plan.survey], data)
+    grid = WindowGrid(surveys[0].shape, crop, plan.settings["overlap"])
+    starts = grid.axes[0].reaching(lo, hi)
+    band = InlineBand(surveys, data, stop=starts[-1] + crop[0])
+    blender = SlabBlender(surveys[0].shape, plan.bricks[0], model.channels, (lo, hi))
+    writer = RowWriter(plan.group().shards(plan.variable), plan.variable, surveys[0].trace_mask, plan.shards)
+    views = mirrorings(crop) if plan.settings["mirror"] else [(False, False, False)]
+    try:
+        label = f"predict part {part + 1}/{len(plan.rows)}" if progress else ""
+        counts = predict_rows(grid, band, blender, lambda imgs: window_probabilities(model, imgs, views), writer,
+                              int(plan.settings["batch_size"]), label)
+    finally:
+        band.close()
+    summary = {"part": part, "inlines": [lo, hi], "voxels": (hi - lo) * math.prod(plan.shape[1:3]), **counts,
+               "cpu_s": time.process_time() - cpu, "seconds": time.perf_counter() - clock, "views": len(views)}
+    store.mark_done(plan, part, {**writer.summary(), "run": summary})
+    return summary
+
+
+# ---- publish ---------------------------------------------------------------------------------------------
+
+
+def publish_prediction(plan: PredictionPlan) -> dict[str, Any]:
+    """After every part: the SEG-Y export if asked (written whole or not at all), then the store's root
+    ``zarr.json``, last. Returns the root attributes."""
+    store.merged_stats(plan)  # refuses while a part is missing, before any export
+    if plan.settings["segy"]:
+        from sfm.predict.segy_export import export_segy
+
+        export_segy(plan, plan.settings["segy"])
+    return store.publish(plan)
+
+
+def predict(opts: PredictOptions, part: int | None = None, progress: bool = False) -> dict[str, Any]:
+    """``sfm predict``: plan (or find the staged plan), then part ``part`` alone, or every part not yet written
+    and the publish step. Returns a summary (parts run and reused, windows, voxels, seconds)."""
+    clock, cpu = time.perf_counter(), time.process_time()
+    plan = plan_prediction(opts)
+    todo = [part] if part is not None else list(range(len(plan.rows)))
+    runs = [run_part(plan, k, opts.device, progress) for k in todo]
+    done = [r for r in runs if not r.get("reused")]
+    result = {"out": plan.out, "parts": len(plan.rows), "ran": [r["part"] for r in done],
+              "reused": [r["part"] for r in runs if r.get("reused")],
+              "windows": sum(r["windows"] for r in done), "voxels": sum(r["voxels"] for r in done),
+              **{k: round(sum(r[k] for r in done), 3) for k in ("model_cpu_s", "window_cpu_s")}}
+    if part is None:
+        attrs = publish_prediction(plan)
+        result.update(published=True, variable=plan.variable, stats=attrs["stats"], segy=plan.settings["segy"] or None)
+    else:
+        result["published"] = False
+    seconds, cpu_s = time.perf_counter() - clock, time.process_time() - cpu
+    return {**result, "seconds": round(seconds, 3), "cpu_s": round(cpu_s, 3)}

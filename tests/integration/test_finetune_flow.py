@@ -1,0 +1,151 @@
+"""flows/finetune_flow.py on generated surveys and the fault labels the generator writes: from a registered
+encoder on 2 ranks (DDP) and from ``--encoder random``, training labels on every 8th inline only (a label
+SEG-Y whose other traces are missing), scored on a held-out labelled survey. Mechanics only: the scores are
+recorded, not judged (benchmarks/finetune.py judges them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support import ingest_cases
+
+from sfm import registry
+from sfm.config import JobConfig, toml_text
+
+FLOW = Path(__file__).resolve().parents[2] / "flows" / "finetune_flow.py"
+SHAPE = (40, 40, 64)
+FAST = {"train": {"threads_per_process": 1},
+        "finetune": {"steps": 6, "probe_steps": 3, "validate_every": 3, "batch_size": 2, "test_augment": False,
+                     "validation": 0.34}}
+
+_CLIENT = r"""
+import json, sys
+from metaflow import Run, namespace
+from metaflow.cards import get_cards
+namespace(None)
+run = Run(sys.argv[1])
+data = run["end"].task.data
+cards = get_cards(run["evaluate"].task, id="finetune")
+print("CLIENT-JSON " + json.dumps({"successful": run.successful, "summary": data.summary, "metrics": data.metrics,
+                                   "model": [data.model_name, data.model_version], "tags": sorted(run.tags),
+                                   "card": cards[0].get() if len(cards) else ""}, default=str))
+"""
+
+
+def run_flow(home: Path, env: dict, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, str(FLOW), "--config", "config", str(home / "fast.toml"), "run", *args],
+                          cwd=home, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_id = next(line.split("(run-id ")[1].split(")")[0] for line in proc.stdout.splitlines() + proc.stderr.splitlines()
+                  if "(run-id " in line)
+    view = subprocess.run([sys.executable, "-c", _CLIENT, f"FinetuneFlow/{run_id}"], cwd=home, env=env,
+                          capture_output=True, text=True, timeout=300)
+    line = next(x for x in view.stdout.splitlines() if x.startswith("CLIENT-JSON "))
+    return json.loads(line[len("CLIENT-JSON "):])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two flow runs in one working folder (data root: the default sfm_data there): from the registered encoder
+    (sfm-mae v1) on 2 ranks, and from random initialisation."""
+    from sfm.ingest.synth import SegyOptions, synth_survey, write_segy
+    from sfm.model import mae_config, save
+    from sfm.model.mae import MaskedAutoencoder3D
+
+    home = tmp_path_factory.mktemp("finetune-flow")
+    (home / ".metaflow").mkdir()
+    (home / "fast.toml").write_text(toml_text(FAST))
+    train = synth_survey(home / "train.sgy", shape=SHAPE, seed=11)
+    synth_survey(home / "held.sgy", shape=SHAPE, seed=12)
+    faults = np.load(train["faults"])
+    write_segy(home / "train-faults.sgy", faults.astype(np.float32), SegyOptions())
+    every_eighth = np.repeat(np.arange(SHAPE[0]) % 8 == 0, SHAPE[1])  # file order: inline-sorted traces
+    ingest_cases.drop_traces(home / "train-faults.sgy", SHAPE[2], every_eighth)
+    torch.manual_seed(0)
+    save(MaskedAutoencoder3D(mae_config("tiny")), str(home / "encoder"))
+    root = str(home / "sfm_data")
+    registry.register(root, "sfm-mae", str(home / "encoder"), config=JobConfig().to_dict(),
+                      metrics={"masked_nmse": 1.0}, lineage={"run_pathspec": "test", "manifest_version": "m0",
+                                                             "code_version": "test", "surveys": []})
+    env = {**os.environ, "METAFLOW_USER": "sfm-test", "METAFLOW_HOME": str(home / "mfhome"),
+           "METAFLOW_DEFAULT_DATASTORE": "local", "METAFLOW_DEFAULT_METADATA": "local"}
+    for key in ("METAFLOW_DATASTORE_SYSROOT_LOCAL", "METAFLOW_CARD_LOCALROOT"):
+        env.pop(key, None)
+    common = ["--surveys", "train.sgy", "--labels", "train-faults.sgy", "--held-out", "held.sgy",
+              "--held-out-labels", "held.faults.npy", "--task-name", "faults"]
+    pretrained = run_flow(home, env, *common, "--procs-per-node", "2")
+    random = run_flow(home, env, *common, "--encoder", "random")
+    return {"home": home, "root": root, "env": env, "pretrained": pretrained, "random": random, "faults": faults}
+
+
+def test_both_arms_register_task_models_with_lineage_and_held_out_scores(runs):
+    root = runs["root"]
+    assert runs["pretrained"]["model"] == ["sfm-faults", 1] and runs["random"]["model"] == ["sfm-faults", 2]
+    assert "model:sfm-faults:v1" in runs["pretrained"]["tags"]
+    assert runs["pretrained"]["summary"]["world_size"] == 2 and runs["random"]["summary"]["world_size"] == 1
+    records = [registry.get(root, "sfm-faults", v) for v in (1, 2)]
+    assert [r["lineage"]["encoder"] for r in records] == ["sfm-mae:v1", "random"]
+    assert records[0]["lineage"]["encoder_url"] == registry.version_url(root, "sfm-mae", 1)
+    held_voxels = int(np.load(Path(runs["home"]) / "held.faults.npy").size)
+    for record, arm in zip(records, ("pretrained", "random")):
+        assert registry.is_task_model(record) and record["lineage"]["task"] == "binary"
+        roles = {lab["role"]: lab["label_id"] for lab in record["lineage"]["labels"]}
+        assert set(roles) == {"train", "test"} and roles["train"] != roles["test"]
+        metrics = record["metrics"]
+        assert metrics == runs[arm]["metrics"] and metrics["voxels"] == held_voxels
+        assert all(0 <= metrics[k] <= 1 for k in ("ap", "f1", "iou"))
+        assert len(record["lineage"]["held_out_surveys"]) == 1
+    # the same label sets serve both arms: ingested once, found the second time
+    assert records[0]["lineage"]["labels"] == records[1]["lineage"]["labels"]
+    net = registry.load(root, "sfm-faults", 1)
+    assert net.task.kind == "binary" and net(torch.zeros(1, 1, *net.crop)).shape == (1, 1, *net.crop)
+
+
+def test_labels_on_every_eighth_inline_train_and_the_card_shows_a_held_out_line(runs):
+    from sfm.ingest import manifest
+
+    rows = {r["label_id"]: r for r in manifest.label_rows(runs["root"])}
+    train_id = next(lab["label_id"] for lab in registry.get(runs["root"], "sfm-faults", 1)["lineage"]["labels"]
+                    if lab["role"] == "train")
+    assert rows[train_id]["labelled_inlines"] == 5  # inlines 0, 8, 16, 24, 32 of 40
+    assert rows[train_id]["labelled_voxels"] == 5 * SHAPE[1] * SHAPE[2]
+    import base64
+    import io
+    import re
+
+    from PIL import Image
+
+    blob = re.search(r'window\.__MF_DATA__\["[^"]*"\]\s*=\s*"([A-Za-z0-9+/=]+)"', runs["pretrained"]["card"])
+    data = base64.b64decode(blob.group(1)).decode()
+    found = []
+
+    def walk(node):  # every component of the card, wherever it sits
+        if isinstance(node, dict):
+            found.append(node)
+            [walk(v) for v in node.values()]
+        elif isinstance(node, list):
+            [walk(v) for v in node]
+
+    walk(json.loads(data))
+    images = {c["label"]: Image.open(io.BytesIO(base64.b64decode(c["src"].split(",", 1)[1])))
+              for c in found if c.get("type") == "image"}
+    assert set(images) == {"amplitude", "labels", "prediction"}, sorted(images)
+    assert {im.size for im in images.values()} == {(4 * SHAPE[1], 4 * SHAPE[2])}  # one held-out inline, time down
+    assert "Held-out labels" in data
+
+
+def test_the_registry_lists_task_models_beside_encoders_from_the_default_data_root(runs):
+    proc = subprocess.run([sys.executable, "-m", "sfm.cli", "registry", "list"], cwd=runs["home"], env=runs["env"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    listed = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(x["model"], x["kind"], x["version"]) for x in listed] == [
+        ("sfm-faults", "task", 1), ("sfm-faults", "task", 2), ("sfm-mae", "encoder", 1)]
+    assert listed[0]["encoder"] == "sfm-mae:v1" and "ap" in listed[0]
