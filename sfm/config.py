@@ -231,7 +231,7 @@ class DistConfig:
             raise SFMError(f"dist.strategy = {self.strategy!r} is not a strategy; use one of {', '.join(STRATEGIES)}")
         if self.cp < 1:
             raise SFMError(f"dist.cp = {self.cp} must be at least 1")
-        _one_of("dist.launcher", self.launcher, LAUNCHERS)
+        one_of("dist.launcher", self.launcher, LAUNCHERS)
 
 
 @dataclass
