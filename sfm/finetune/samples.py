@@ -8,8 +8,9 @@ stores (:mod:`sfm.ingest.labels`) cut at the same place and in the same orientat
   ``data.augment`` allows), the labels from the label store, flipped and swapped alike.
 - :func:`split_lines`: labelled lines held out of training: the last ``fraction`` of the labelled inlines
   (or crosslines, when only crosslines are labelled), one block at the survey's far end.
-- :class:`Part` / :func:`read_part`: a slab of a survey around held-out lines (or the whole survey), its
-  normalised amplitude and its labels, to predict and score (validation and held-out test).
+- :class:`Part` / :meth:`LabelledSurveys.read_part`: a slab of a survey around held-out lines (or the whole
+  survey), its normalised amplitude and its labels, to predict and score (validation and held-out test);
+  :func:`split_roles`: which labels train, which validate, which are scored.
 """
 
 from __future__ import annotations
