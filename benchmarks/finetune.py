@@ -68,7 +68,7 @@ def recipe_toml(version_config: dict, head: str, threads: int) -> str:
 def run_flow(workdir: Path, config: Path, encoder: str, pairs: dict[str, list[tuple[str, str]]], seed: int,
              task_name: str) -> dict:
     """One fine-tune flow run; returns its registered record (metrics, lineage) and the seconds it took."""
-    from sfm import registry
+    from sfm.model import registry
 
     data_root = str(workdir / "data")
     join = lambda items, i: ",".join(p[i] for p in items)  # noqa: E731

@@ -49,7 +49,7 @@ GOAL_NMSE = 0.5
 
 def run_quality_flow(config: Path, workdir: Path) -> tuple[str, float]:
     """Run the flow with ``config`` in ``workdir``; return the registered version's folder and the seconds."""
-    from sfm import registry
+    from sfm.model import registry
     from sfm.config import JobConfig
 
     data_root = workdir / "data"

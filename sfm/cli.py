@@ -79,7 +79,8 @@ def _cmd_registry(args: argparse.Namespace) -> None:
     """list: one JSON line per version (every model, encoders and task models, without --model); show: the
     record; promote: force a version to champion; load: build the model (files checked against their sha256)
     and, with --out, export it byte for byte."""
-    from sfm import registry, storage
+    from sfm import storage
+    from sfm.model import registry
 
     if args.action == "list":
         for name in [args.model] if args.model else registry.models(args.data_root):

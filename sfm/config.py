@@ -353,7 +353,7 @@ class RegistryConfig:
     model_name: str = "sfm-mae"
     margin: float = 0.0
     # what makes a champion: a held-out metric every version records, e.g. masked_nmse or ft_ap_gain_b4;
-    # lower is better for names ending in nmse, loss or error, higher for the others (sfm.registry.Champion)
+    # lower is better for names ending in nmse, loss or error, higher for the others (sfm.model.registry.Champion)
     champion_metric: str = "masked_nmse"
 
 

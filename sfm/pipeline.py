@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sfm import registry, storage
+from sfm import storage
+from sfm.model import registry
 from sfm.ingest import manifest
 from sfm.config import JobConfig, SynthConfig
 from sfm.errors import SFMError

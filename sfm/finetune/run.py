@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sfm import registry, storage
+from sfm import storage
+from sfm.model import registry
 from sfm.config import JobConfig
 from sfm.errors import SFMError
 from sfm.ingest import manifest

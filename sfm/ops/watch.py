@@ -26,7 +26,7 @@ and a watcher that finds a ``running`` survey asks Metaflow whether a run with t
 its flow process outlives it and is still training when the lease expires; the next watcher then
 starts a second run over the same survey.
 
-The lease is a claim (:func:`sfm.registry.claim`) holding an expiry time; the holder refreshes it while
+The lease is a claim (:func:`sfm.model.registry.claim`) holding an expiry time; the holder refreshes it while
 it works, and a watcher that finds it expired takes it over (one taker per expired lease). Watchers
 on machines whose clocks disagree by more than a lease period can overlap; keep ``--lease`` well
 above that.
@@ -133,7 +133,7 @@ class Lease:
         return {"owner": self.owner, "expires_at": _now() + self.lease_s, "renewed_at": _iso()}
 
     def try_acquire(self) -> bool:
-        from sfm import registry
+        from sfm.model import registry
 
         if registry.claim(self.url, self._doc()):
             return True
@@ -325,7 +325,7 @@ def run_plan(opts: WatchOptions) -> dict[str, Any]:
     ``--held-out`` if given, else the champion's held-out surveys (their SEG-Y sources, found through
     the manifest), so the new version is scored on the same surveys as the champion it must beat.
     """
-    from sfm import registry
+    from sfm.model import registry
     from sfm.ingest import manifest
 
     model_name = JobConfig.from_toml(opts.config or None, opts.overrides).registry.model_name

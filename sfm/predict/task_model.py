@@ -52,7 +52,8 @@ def is_url(spec: str) -> bool:
 
 def load_task_model(spec: str, data_root: str, device: str = "cpu") -> TaskModel:
     """The task model ``spec`` names (see the module docstring), on ``device``, in eval mode."""
-    from sfm import registry, storage
+    from sfm import storage
+    from sfm.model import registry
     from sfm.model.segmenter import CONFIG, WEIGHTS, segmenter_from_files
 
     spec = str(spec).strip()

@@ -16,7 +16,7 @@ import pytest
 import torch
 from support import ingest_cases
 
-from sfm import registry
+from sfm.model import registry
 from sfm.config import JobConfig, toml_text
 
 FLOW = Path(__file__).resolve().parents[2] / "flows" / "finetune_flow.py"

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sfm import registry, storage
+from sfm import storage
+from sfm.model import registry
 from sfm.errors import SFMError
 from sfm.model import build_model, mae_config
 from sfm.model.io import load, save
@@ -35,7 +36,7 @@ def lineage(tag: str) -> dict:
 
 _CHILD = r"""
 import json, sys, time
-from sfm import registry
+from sfm.model import registry
 start_at, root, model, url, nmse, tag = json.loads(sys.argv[1])
 time.sleep(max(0.0, start_at - time.time()))  # every child starts registering at the same moment
 lineage = {"run_pathspec": f"TestFlow/{tag}", "manifest_version": "m0-0", "code_version": "test",
