@@ -66,7 +66,8 @@ class PretrainFlow(FlowSpec):
                    help="context-parallel ranks per volume (nodes x procs-per-node must divide by it); "
                    "default: the config's [dist] cp")
     strategy = Parameter("strategy", default=config_expr("job_of(config).dist.strategy"),
-                         help="data-parallel strategy: ddp | fsdp2-zero2 | fsdp2-full; default: the config's")
+                         help="data-parallel strategy: ddp | fsdp2-zero2 | fsdp2-full | deepspeed-zero2 | "
+                         "deepspeed-zero3 (the deepspeed extra); default: the config's")
     ingest_parts = Parameter("ingest-parts", default=0, type=int,
                              help="tasks to split each survey's ingest into (whole 4 GiB pieces to scan, whole shard "
                              "rows to write); 0: the config's [ingest] parts, or one per [ingest] part_gb GB")
