@@ -5,7 +5,8 @@ Its training processes (torchrun and the ranks it runs, on every node) are SIGKI
 checkpoint exists; ``@retry`` starts the step again and it continues from that checkpoint; that attempt is
 killed too, the run fails, and ``python flows/pretrain_flow.py resume`` finishes it from the newest
 checkpoint and registers the model. The final weights, the registered weights and the loss history equal
-those of the same job trained without interruption (on as many ranks), bit for bit.
+those of the same job trained without interruption (on as many ranks), bit for bit. ZeRO-3 trains in bf16
+(DeepSpeed's bf16 parameters beside float32 masters, under autocast), the path a GPU takes.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from sfm import registry
 MAX_STEPS, EVERY = 60, 5
 
 
-def job_toml(nodes: int) -> str:
+def job_toml(nodes: int, precision: str) -> str:
     """The fast job; on 2 nodes the same global batch (8) and one training survey (a short ingest)."""
-    train = {"max_steps": MAX_STEPS, "checkpoint_every": EVERY, "log_every": 10}
+    train = {"max_steps": MAX_STEPS, "checkpoint_every": EVERY, "log_every": 10, "mixed_precision": precision}
     if nodes == 1:
         return fast_job_toml(train=train)
     return fast_job_toml(train=train, data={"batch_size": 4}, dist={"timeout_s": 60},
@@ -34,11 +35,13 @@ def job_toml(nodes: int) -> str:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("strategy,nodes", [("ddp", 1), ("deepspeed-zero2", 2), ("deepspeed-zero3", 2)])
-def test_killed_pretrain_retries_then_resumes_to_the_uninterrupted_weights(strategy, nodes, tmp_path, metaflow_env):
+@pytest.mark.parametrize("strategy,nodes,precision", [("ddp", 1, "auto"), ("deepspeed-zero2", 2, "auto"),
+                                                      ("deepspeed-zero3", 2, "bf16")])
+def test_killed_pretrain_retries_then_resumes_to_the_uninterrupted_weights(strategy, nodes, precision, tmp_path,
+                                                                          metaflow_env):
     data_root = tmp_path / "data"
     config = tmp_path / "job.toml"
-    config.write_text(job_toml(nodes))
+    config.write_text(job_toml(nodes, precision))
     top = {"config": [("config", str(config))]}
 
     killer = Killer(data_root)  # every node's torchrun and ranks
