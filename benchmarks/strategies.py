@@ -1,7 +1,7 @@
 """The data-parallel strategies side by side on this machine (issue 48): the reference's table (DeepSpeed ZeRO-2,
 FSDP2, ZeRO-3 on 16 nodes x 8 H200) measured with 2 gloo ranks.
 
-    python benchmarks/strategies.py [--preset small] [--crop 64] [--batch 4] [--steps 5] [--warmup 2]
+    python benchmarks/strategies.py [--preset small] [--crop 64] [--batch 4] [--steps 5] [--warmup 2] [--rounds 3]
 
 ``ddp``, ``fsdp2-zero2``, ``fsdp2-full``, ``deepspeed-zero2`` and ``deepspeed-zero3``, each in fresh processes
 (2 ranks x 1 thread, gloo on loopback, OMP_WAIT_POLICY=PASSIVE as in training), the same model (seed 0) and the same
@@ -9,7 +9,8 @@ global batch: full training steps as ``sfm.train.trainer`` runs them (``sfm.trai
 hooks: ``sfm.distributed.strategies.apply_strategy``, or the DeepSpeed engine ``sfm.distributed.deepspeed_zero`` builds
 from a job's config; fused AdamW; global-norm clipping at 1.0) on random volumes already in memory. Per strategy:
 
-- ``samples_per_s``: samples of all ranks per second over the timed steps (after the warm-up, barriers around);
+- ``samples_per_s``: samples of all ranks per second over the timed steps (after the warm-up, barriers around),
+  the median of ``--rounds`` runs taken in turn (the machine is shared; every round's figure is in the JSON);
 - ``state_bytes_per_rank``: parameters + gradients + optimiser state one rank holds, counted from the tensors: the
   distinct storages reachable from the model's parameters (their gradients, FSDP2's local shards, ZeRO-3's
   partitions) and from the optimiser (for DeepSpeed its ZeRO optimiser: float32 masters, AdamW state, gradient
@@ -205,16 +206,24 @@ def run_strategy(strategy: str, world: int, settings: dict) -> dict:
     return result
 
 
-def compare(settings: dict, world: int, names: list[str]) -> dict:
-    """Every strategy in ``names`` on ``world`` ranks with ``settings``; the JSON object the scripts print."""
+def compare(settings: dict, world: int, names: list[str], rounds: int = 1) -> dict:
+    """Every strategy in ``names`` on ``world`` ranks with ``settings``, ``rounds`` times in turn (a shared
+    machine's load drifts: each strategy's run of median speed is reported, with every round's samples/s);
+    the JSON object the scripts print."""
     with open("/proc/loadavg") as fh:
         load_start = float(fh.read().split()[0])
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names:
+            runs[name].append(row := run_strategy(name, world, settings))
+            line = row.get("skipped") or (f"{row['samples_per_s']:.2f} samples/s, "
+                                          f"{row['state_bytes_per_rank'] / 1e6:.1f} MB state per rank, "
+                                          f"peak RSS {row['peak_rss_mb']:.0f} MB")
+            print(f"round {r + 1} {name}: {line}", file=sys.stderr, flush=True)
     results = {}
-    for name in names:
-        results[name] = r = run_strategy(name, world, settings)
-        line = r.get("skipped") or (f"{r['samples_per_s']:.2f} samples/s, {r['state_bytes_per_rank'] / 1e6:.1f} MB "
-                                    f"state per rank, peak RSS {r['peak_rss_mb']:.0f} MB")
-        print(f"{name}: {line}", file=sys.stderr, flush=True)
+    for name, rows in runs.items():
+        middle = sorted(rows, key=lambda row: row.get("samples_per_s", 0.0))[len(rows) // 2]
+        results[name] = {**middle, "samples_per_s_rounds": [row.get("samples_per_s") for row in rows]}
     with open("/proc/loadavg") as fh:
         load_end = float(fh.read().split()[0])
     state = [results.get(n, {}).get("state_bytes_per_rank") for n in ("deepspeed-zero3", "deepspeed-zero2", "ddp")]
@@ -223,7 +232,8 @@ def compare(settings: dict, world: int, names: list[str]) -> dict:
     return {
         "benchmark": "strategies", "world_size": world, **{k: settings[k] for k in ("device", "preset", "crop")},
         "batch_per_rank": settings["batch"], "global_batch": world * settings["batch"], "bf16": settings["bf16"],
-        "steps": settings["steps"], "warmup": settings["warmup"], "threads_per_rank": settings["threads"],
+        "steps": settings["steps"], "warmup": settings["warmup"], "rounds": rounds,
+        "threads_per_rank": settings["threads"],
         "params": param_count(cfg), "params_M": round(param_count(cfg) / 1e6, 3), "torch": torch.__version__,
         "strategies": results, "state_order_zero3_lt_zero2_lt_ddp": order,
         "reference_samples_per_s_16x8_H200": REFERENCE_16X8_H200, "load_average": [load_start, load_end],
@@ -237,11 +247,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="per rank (the global batch is twice this)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
     parser.add_argument("--warmup", type=int, default=2, help="steps before timing (at least 2: AdamW's state)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each strategy, in turn; the median is reported")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     a = parser.parse_args()
     settings = {"preset": a.preset, "crop": a.crop, "batch": a.batch, "steps": a.steps, "warmup": max(2, a.warmup),
                 "threads": 1, "device": "cpu", "bf16": False, "timeout_s": 3600}
-    print(json.dumps(compare(settings, 2, a.strategies.split(","))))
+    print(json.dumps(compare(settings, 2, a.strategies.split(","), rounds=a.rounds)))
 
 
 if __name__ == "__main__":
