@@ -58,7 +58,8 @@ class PretrainFlow(FlowSpec):
                    help="context-parallel ranks per volume (nodes x procs-per-node must divide by it); "
                    "default: the config's [dist] cp")
     strategy = Parameter("strategy", default=config_expr("job_of(config).dist.strategy"),
-                         help="data-parallel strategy: ddp | fsdp2-zero2 | fsdp2-full; default: the config's")
+                         help="data-parallel strategy: ddp | fsdp2-zero2 | fsdp2-full | deepspeed-zero2 | "
+                         "deepspeed-zero3 (the deepspeed extra); default: the config's")
     launcher = Parameter("launcher", default=config_expr("job_of(config).dist.launcher"),
                          help="what starts each node's training processes: torchrun | accelerate (accelerate "
                          "launch); default: the config's [dist] launcher")

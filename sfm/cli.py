@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from sfm.config import INGEST_DTYPES, LAUNCHERS, IngestConfig
+from sfm.config import INGEST_DTYPES, LAUNCHERS, STRATEGIES, IngestConfig
 from sfm.errors import SFMError
 
 
@@ -268,8 +268,8 @@ def _job_arguments(p: argparse.ArgumentParser) -> None:
                    help="training processes per node, one per GPU (default: the config's [dist] procs_per_node)")
     p.add_argument("--cp", type=int, default=0, help="context-parallel ranks per volume; nodes x procs-per-node must "
                    "divide by it (default: the config's [dist] cp)")
-    p.add_argument("--strategy", default="", choices=["", "ddp", "fsdp2-zero2", "fsdp2-full"],
-                   help="data-parallel strategy (default: the config's [dist] strategy)")
+    p.add_argument("--strategy", default="", choices=["", *STRATEGIES],
+                   help="data-parallel strategy (default: the config's [dist] strategy; deepspeed-*: the deepspeed extra)")
     p.add_argument("--launcher", default="", choices=["", *LAUNCHERS],
                    help="what starts each node's processes: torchrun, or accelerate (accelerate launch) "
                    "(default: the config's [dist] launcher)")

@@ -6,6 +6,8 @@ Every run writes its resolved config (``JobConfig.to_dict()``) next to its outpu
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import json
 import tomllib
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ AUGMENTATIONS = ("flip_inline", "flip_crossline", "swap", "reverse_time", "inver
 ALIGNMENTS = ("voxel", "brick")  # data.align: crop origins anywhere, or on the store's brick grid
 CLIENTS = ("auto", "http", "obstore", "fsspec")  # data.client: how the loader reads S3
 BATCH_DTYPES = ("float32", "float16", "int8")  # data.batch_dtype: the crops' value type (int8: stored values)
-STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full")  # dist.strategy: what sfm.distributed.strategies applies
+STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full", "deepspeed-zero2", "deepspeed-zero3")  # dist.strategy (sfm.distributed)
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer (see sfm.train.muon)
 LAUNCHERS = ("torchrun", "accelerate")  # dist.launcher: what starts a node's processes (sfm.distributed.launch)
 LABEL_IGNORE = 255  # label stores' value of voxels nobody interpreted (uint8: classes 0..254; sfm.ingest.labels)
@@ -215,7 +217,7 @@ class DistConfig:
     procs_per_node: int = 1
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     timeout_s: int = 300  # collectives (and rendezvous) fail after this: a dead rank never hangs the job
-    strategy: str = "ddp"  # ddp | fsdp2-zero2 | fsdp2-full (see sfm.distributed.strategies)
+    strategy: str = "ddp"  # one of STRATEGIES (see sfm.distributed.strategies)
     cp: int = 1  # context-parallel ranks per volume (dp = world size / cp); see sfm.distributed.context_parallel
     launcher: str = "torchrun"  # torchrun | accelerate (accelerate launch with a config of sfm's own)
     # an Accelerate config file (`accelerate config` writes it, YAML or JSON, local or s3://) mapped onto
@@ -224,9 +226,6 @@ class DistConfig:
 
     def check(self) -> None:
         """The strategy and cp valid, or SFMError; how they fit the job is :meth:`JobConfig.check_parallelism`'s."""
-        if self.strategy == "deepspeed-zero2":
-            raise SFMError("dist.strategy = deepspeed-zero2 is not available in this release; use fsdp2-zero2 "
-                           "(the same ZeRO-2 sharding through PyTorch FSDP2)")
         if self.strategy not in STRATEGIES:
             raise SFMError(f"dist.strategy = {self.strategy!r} is not a strategy; use one of {', '.join(STRATEGIES)}")
         if self.cp < 1:
@@ -440,6 +439,8 @@ class JobConfig:
         if self.train.optimizer == "muon" and d.strategy != "ddp" and world != 1:
             raise SFMError(f"train.optimizer = muon orthogonalises each weight matrix whole, which {d.strategy}'s "
                            "shards do not hold; use dist.strategy = ddp or train.optimizer = adamw")
+        if d.strategy.startswith("deepspeed") and world != 1 and importlib.util.find_spec("deepspeed") is None:
+            raise SFMError(f"dist.strategy = {d.strategy} needs DeepSpeed: pip install 'sfm[deepspeed]' (its extra)")
         if world % d.cp:
             raise SFMError(f"dist.cp = {d.cp} does not divide the {world} training processes (nodes x processes per "
                            "node); choose a cp that divides it")

@@ -11,7 +11,8 @@ Strategies (``[dist] strategy`` in the job config):
 - ``fsdp2-full``: FSDP2 with ``reshard_after_forward=True``: blocks free their gathered parameters
   after forward and all-gather them again in backward (ZeRO-3): least memory, 1.5x the traffic.
 
-``deepspeed-zero2`` is not offered: fsdp2-zero2 gives the same sharding with PyTorch alone.
+``deepspeed-zero2`` and ``deepspeed-zero3`` (DeepSpeed's ZeRO around the same model, optimiser and schedule)
+are built by :mod:`sfm.distributed.deepspeed_zero`, not here: DeepSpeed takes the optimiser as it wraps the model.
 
 On gloo (CPU) FSDP2 has no streams to overlap communication with compute: every all-gather and
 reduce-scatter blocks the one compute thread. :class:`OverlappedAllGather` and
@@ -25,7 +26,8 @@ The sharding unit is one transformer block (encoder and decoder); the root modul
 moving the model to its device and before building the optimiser (FSDP2 replaces parameters with
 sharded DTensors). Checkpoints: :func:`save_sharded`/:func:`load_sharded` write and read
 ``torch.distributed.checkpoint`` (each rank its own shards; ``.metadata`` is written last, so its
-presence marks a complete checkpoint); :func:`full_state_dict` gathers plain tensors for export.
+presence marks a complete checkpoint), through :class:`FSDP2Shards` for the checkpointer;
+:func:`full_state_dict` gathers plain tensors for export.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from sfm.config import STRATEGIES
 log = logging.getLogger(__name__)
 
 RESHARD_AFTER_FORWARD = {"fsdp2-zero2": False, "fsdp2-full": True}
+REPLICATED = ("ddp", "deepspeed-zero2")  # every rank holds the full weights (their digests can be compared)
 
 
 def data_parallel_mesh(device: torch.device | str) -> DeviceMesh:
@@ -70,8 +73,9 @@ def apply_strategy(model: nn.Module, strategy: str, mesh: DeviceMesh | None = No
     ``param_dtype`` (FSDP2 only, e.g. torch.bfloat16): compute in that dtype with float32 master
     weights and float32 gradient reduction; DDP uses autocast instead.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
+    if strategy not in STRATEGIES or strategy.startswith("deepspeed"):
+        raise ValueError(f"strategy {strategy!r} is not applied here; valid: ddp, {', '.join(RESHARD_AFTER_FORWARD)} "
+                         "(DeepSpeed's: sfm.distributed.deepspeed_zero.initialize)")
     device = next(model.parameters()).device
     mesh = mesh or data_parallel_mesh(device)
     if strategy == "ddp":
@@ -168,3 +172,23 @@ def load_sharded(url: str, model: nn.Module, optimizer: torch.optim.Optimizer) -
     dcp.load(state, storage_reader=_writer_reader(url, write=False))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+class FSDP2Shards:
+    """An FSDP2 model's and optimiser's shards as a checkpoint part (``sfm.train.checkpoint.Shards``): a
+    ``torch.distributed.checkpoint`` each rank writes its shards of, resharded on load (``reshards``)."""
+
+    kind = "fsdp2"
+    reshards = True
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def save(self, url: str) -> None:
+        save_sharded(url, self.model, self.optimizer)
+
+    def load(self, url: str) -> None:
+        load_sharded(url, self.model, self.optimizer)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return full_state_dict(self.model)

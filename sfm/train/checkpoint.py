@@ -8,10 +8,11 @@ Layout under a checkpoint root (local or S3)::
     step-000050/state.json           step and the shared parts (train state, data position, history,
                                      health); written LAST: marks it complete
 
-A sharded checkpoint (FSDP2 strategies) keeps the weights and optimiser state as a
-``torch.distributed.checkpoint`` in ``step-000050/shards/`` (each rank writes its own shards, see
-:func:`sfm.distributed.strategies.save_sharded`) instead of ``model.safetensors`` and the optimiser part of
-``optimizer.pt``; its ``state.json`` says ``"sharded": true``.
+A sharded checkpoint keeps the weights and optimiser state in ``step-000050/shards/``, each rank writing its own
+part, instead of ``model.safetensors`` and the optimiser part of ``optimizer.pt``: a ``torch.distributed.checkpoint``
+(FSDP2 strategies, :class:`sfm.distributed.strategies.FSDP2Shards`) or DeepSpeed's own files (DeepSpeed strategies,
+:class:`sfm.distributed.deepspeed_zero.DeepSpeedShards`). Its ``state.json`` says which and how many ranks wrote
+it: ``"sharded": {"kind": "fsdp2" | "deepspeed", "world_size": N}`` (``true`` in older FSDP2 checkpoints).
 
 A checkpoint without ``state.json`` is incomplete and ignored. Writing one is three moves:
 :func:`begin` (rank 0 clears whatever an earlier attempt left at that step, marker first), then
@@ -106,15 +107,15 @@ def shards_url(root: str, step: int) -> str:
 
 
 def save(root: str, step: int, model_state: dict[str, torch.Tensor] | None, optimizer_state: dict | None,
-         scheduler_state: dict, parts: dict[str, Any], keep: int = 2) -> str:
+         scheduler_state: dict, parts: dict[str, Any], keep: int = 2, shards: dict[str, Any] | None = None) -> str:
     """Write a checkpoint (rank 0, after every rank called :func:`save_rank`); returns its URL.
 
-    ``parts``: the shared parts' states, JSON-able, written into the marker. ``model_state`` and
-    ``optimizer_state`` None: a sharded checkpoint whose ranks have already written :func:`shards_url`
-    together; this writes the scheduler and the marker."""
+    ``parts``: the shared parts' states, JSON-able, written into the marker. ``shards`` ({"kind", "world_size"}),
+    with ``model_state`` and ``optimizer_state`` None: a sharded checkpoint whose ranks have already written
+    :func:`shards_url` together; this writes the scheduler and the marker."""
     url = step_dir(root, step)
-    sharded = model_state is None
-    if not sharded:
+    sharded = shards or (model_state is None)
+    if model_state is not None:
         tensors = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
         storage.write_bytes(storage.join(url, "model.safetensors"), save_safetensors(tensors))
     storage.write_bytes(storage.join(url, "optimizer.pt"),
@@ -130,7 +131,8 @@ def save(root: str, step: int, model_state: dict[str, torch.Tensor] | None, opti
 
 def load(url: str, rank: int) -> dict[str, Any]:
     """Read one checkpoint completely (raises if any part is unreadable). For a sharded one,
-    ``model`` and ``optimizer`` are None and ``shards`` is the URL to load them from, collectively.
+    ``model`` and ``optimizer`` are None, ``shards`` is the URL to load them from, collectively, and
+    ``written`` says who wrote them ({"kind", "world_size"}; None when not sharded).
     ``rank`` holds this rank's own parts; None when the checkpoint has none for it (it was written
     by fewer ranks)."""
     state = json.loads(storage.read_bytes(storage.join(url, MARKER)))
@@ -139,8 +141,9 @@ def load(url: str, rank: int) -> dict[str, Any]:
     opt = _load_tensors(storage.read_bytes(storage.join(url, "optimizer.pt")))
     mine = storage.join(url, rank_file(rank))
     own = _load_tensors(storage.read_bytes(mine)) if storage.exists(mine) else None
+    written = ({"kind": "fsdp2"} if sharded is True else sharded) if sharded else None  # true: an older FSDP2 one
     return {"state": state, "model": model, "optimizer": opt["optimizer"], "scheduler": opt["scheduler"],
-            "rank": own, "shards": storage.join(url, "shards") if sharded else None}
+            "rank": own, "shards": storage.join(url, "shards") if sharded else None, "written": written}
 
 
 class Stateful(Protocol):
@@ -174,16 +177,29 @@ class RNGState:
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class Shards(Protocol):
+    """A sharded strategy's weights and optimiser state, which its ranks save and load together, each its own
+    part (:class:`sfm.distributed.strategies.FSDP2Shards`, :class:`sfm.distributed.deepspeed_zero.DeepSpeedShards`).
+    ``kind`` names the format in the marker; ``reshards``: another world size can load them."""
+
+    kind: str
+    reshards: bool
+
+    def save(self, url: str) -> None: ...
+
+    def load(self, url: str) -> None: ...
+
+
 class StepState(NamedTuple):
     """What every optimiser step changes: the plain ``model`` (its full weights, unsharded strategies),
-    ``step_model`` (what the step runs; sharded strategies save and load through it), the optimiser
-    and the scheduler. ``sharded``: saved as each rank's shards (FSDP2) instead of full weights."""
+    ``step_model`` (what the step runs), the optimiser and the scheduler. ``sharded``: the strategy's
+    :class:`Shards`, saved instead of full weights; None (or False) for full weights."""
 
     model: torch.nn.Module
     step_model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    sharded: bool
+    sharded: Shards | None
 
 
 class _Part(NamedTuple):
@@ -233,14 +249,13 @@ class Checkpointer:
         acc.wait_for_everyone()
         save_rank(self.root, step, self.rank, self._states(per_rank=True))
         if s.sharded:
-            from sfm.distributed import strategies
-
-            strategies.save_sharded(shards_url(self.root, step), s.step_model, s.optimizer)
+            s.sharded.save(shards_url(self.root, step))
         acc.wait_for_everyone()
         if acc.is_main_process:
             model, optimizer = (None, None) if s.sharded else (s.model.state_dict(), s.optimizer.state_dict())
+            shards = {"kind": s.sharded.kind, "world_size": self.world} if s.sharded else None
             save(self.root, step, model, optimizer, s.scheduler.state_dict(), self._states(per_rank=False),
-                 keep=self.keep)
+                 keep=self.keep, shards=shards)
         acc.wait_for_everyone()
 
     def load(self, *, rollback: bool = False) -> str | None:
@@ -285,19 +300,25 @@ class Checkpointer:
             raise
         except Exception as err:  # corrupt or partially deleted
             return None, f"{type(err).__name__}: {err}"
-        if self.step_state.sharded and ckpt["shards"] is None:
+        mine, written = self.step_state.sharded, ckpt["written"]
+        if mine and written is None:
             return ckpt, "it was written by an unsharded strategy"
-        if not self.step_state.sharded and ckpt["model"] is None:
-            raise SFMError(f"checkpoint {url} is sharded (an fsdp2 run); resume it with the same dist.strategy "
-                           "on more than one process")
+        if not mine and written is not None:
+            raise SFMError(f"checkpoint {url} is sharded (a {written['kind']} run); resume it with the same "
+                           "dist.strategy on more than one process")
+        if mine and written["kind"] != mine.kind:
+            raise SFMError(f"checkpoint {url} holds {written['kind']} shards, which this {mine.kind} run cannot "
+                           "read; resume it with the dist.strategy that wrote it")
+        if mine and not mine.reshards and written["world_size"] != self.world:
+            raise SFMError(f"checkpoint {url} was written by {written['world_size']} ranks and {mine.kind} cannot "
+                           f"reshard its optimiser state onto {self.world}; resume it on {written['world_size']} "
+                           "ranks (nodes x procs_per_node)")
         return ckpt, ""
 
     def _restore_weights(self, ckpt: dict[str, Any]) -> None:
         s = self.step_state
         if s.sharded:
-            from sfm.distributed import strategies
-
-            strategies.load_sharded(ckpt["shards"], s.step_model, s.optimizer)
+            s.sharded.load(ckpt["shards"])
         else:
             s.model.load_state_dict(ckpt["model"])
             s.optimizer.load_state_dict(ckpt["optimizer"])

@@ -100,6 +100,10 @@ class StepHooks(NamedTuple):
     - ``check_finite``: ``(losses, grad_norm) -> bool``, the same answer on every rank; False skips the
       update (gradients dropped, optimiser untouched; the scheduler still advances, so the learning
       rate stays a function of the step number).
+    - ``update``: ``() -> (norm before clipping, applied)``, a strategy's own update in place of clip,
+      check and ``optimizer.step()`` (DeepSpeed's engine clips, skips an update whose gradients are not
+      finite, steps and clears the gradients). ``check_finite`` still judges the step; an update applied
+      although it says no is an error.
     """
 
     autocast: Callable[[], ContextManager] = contextlib.nullcontext
@@ -107,6 +111,7 @@ class StepHooks(NamedTuple):
     backward: Callable[[torch.Tensor], None] | None = None
     clip_grad_norm: Callable[..., torch.Tensor] | None = None
     check_finite: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
+    update: Callable[[], tuple[torch.Tensor, bool]] | None = None
 
 
 class TrainStep:
@@ -136,6 +141,7 @@ class TrainStep:
         self.backward = hooks.backward or (lambda loss: loss.backward())
         self.clip_grad_norm = hooks.clip_grad_norm or torch.nn.utils.clip_grad_norm_
         self.check_finite = hooks.check_finite
+        self.update = hooks.update
 
     def __call__(self, micro_batches: Iterable[torch.Tensor], count: int) -> StepResult:
         """Train on ``count`` micro-batches ``[B, C, D, H, W]`` drawn from ``micro_batches``."""
@@ -154,18 +160,32 @@ class TrainStep:
                 self.backward(loss / count)
             losses.append(loss.detach().float())
         losses_t = torch.stack(losses)
-        norm = self.clip_grad_norm(self.model.parameters(), self.grad_clip if self.grad_clip > 0 else math.inf)
-        norm = torch.as_tensor(norm, dtype=torch.float32).detach()
-        applied = self.check_finite(losses_t, norm) if self.check_finite is not None else True
-        if applied:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        norm, applied = self.step_optimizer(losses_t)
         if self.scheduler is not None:
             with warnings.catch_warnings():
                 # a skipped first step advances the schedule on purpose; torch warns that the optimiser did not step
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
                 self.scheduler.step()
         return StepResult(losses_t, norm, bool(applied))
+
+    def step_optimizer(self, losses: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Clip, check and step (or the strategy's ``update``); returns the norm before clipping and whether the
+        update was applied."""
+        if self.update is not None:
+            norm, stepped = self.update()
+        else:
+            norm = self.clip_grad_norm(self.model.parameters(), self.grad_clip if self.grad_clip > 0 else math.inf)
+        norm = torch.as_tensor(norm, dtype=torch.float32).detach()
+        applied = self.check_finite(losses, norm) if self.check_finite is not None else True
+        if self.update is not None:
+            if stepped and not applied:
+                raise RuntimeError(f"the strategy applied an update whose losses {losses.tolist()} or gradient norm "
+                                   f"{float(norm)} are not finite")
+            return norm, stepped and applied
+        if applied:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, applied
 
 
 def throughput(*, samples: int, seconds: float, flops_per_sample: float, voxels_per_sample: int,

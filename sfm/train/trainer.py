@@ -133,7 +133,7 @@ class Trainer:
         self.layout = Layout.of(self.rank, self.world, cfg.dist.cp)
         self.main = accelerator.is_main_process
         self.strategy = cfg.dist.strategy if self.world > 1 else "single"
-        self.sharded = self.strategy.startswith("fsdp2")
+        self.shards: checkpoint.Shards | None = None  # a sharded strategy's weights and optimiser state
         self.micro_batches = max(1, cfg.train.grad_accum)
         self.step = 0  # optimiser steps done
         self.start_step = 0  # the step this attempt started from
@@ -188,6 +188,39 @@ class Trainer:
     def build(self) -> None:
         """The model, what the step runs (a context-parallel shell, a dp strategy), the optimiser,
         the schedule, the checkpointer and the step."""
+        cfg, acc = self.cfg, self.accelerator
+        step_model = self.build_model()
+        deepspeed = self.strategy.startswith("deepspeed")
+        if self.world > 1 and not deepspeed:
+            step_model = strategies.apply_strategy(step_model, cfg.dist.strategy,
+                                                   units=strategies.sharding_units(self.model))
+        self.optimizer = build_optimizer(step_model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                                         betas=cfg.train.betas, algorithm=cfg.train.optimizer,
+                                         muon_lr=cfg.train.muon_lr)
+        lr_of_step = schedule(cfg)
+        # stepped by hand once per optimiser step, whatever the world size (and skipped or not)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_of_step(s) / cfg.train.lr)
+        if deepspeed:  # DeepSpeed takes the optimiser as it wraps the model (the schedule keeps working on it)
+            from sfm.distributed import deepspeed_zero
+
+            params = sum(p.numel() for p in self.model.parameters())
+            config = deepspeed_zero.engine_config(cfg, self.world, params=params, bf16=acc.mixed_precision == "bf16")
+            step_model = deepspeed_zero.initialize(self.model, self.optimizer, config)
+            self.shards = deepspeed_zero.DeepSpeedShards(step_model)
+        elif self.strategy.startswith("fsdp2"):
+            self.shards = strategies.FSDP2Shards(step_model, self.optimizer)
+        self.step_model = step_model
+        torch.manual_seed(cfg.data.seed * 1000 + 17 + self.rank)
+        self.checkpointer = checkpoint.Checkpointer(
+            storage.join(self.run_root, "ckpt"), acc,
+            checkpoint.StepState(self.model, step_model, self.optimizer, self.scheduler, self.shards), cfg.train)
+        self.noise_gen = torch.Generator(device=acc.device)
+        self.train_step = TrainStep(step_model, self.optimizer, self.scheduler, grad_clip=cfg.train.grad_clip,
+                                    hooks=self.step_hooks(step_model, deepspeed), mask_noise=self.mask_noise)
+
+    def build_model(self) -> torch.nn.Module:
+        """The plain model (``self.model``, on its device, the same initial weights on every rank) and what
+        the strategy wraps: the model, or its context-parallel shell."""
         cfg, acc, layout = self.cfg, self.accelerator, self.layout
         torch.manual_seed(cfg.data.seed)  # identical initial weights on every rank
         self.mcfg = mcfg = model_config_for(cfg)
@@ -210,28 +243,24 @@ class Trainer:
                          "holds 1/%d of its %d tokens; %d kept tokens, effective mask ratio %.4f (configured %.4f)",
                          layout.dp, layout.cp, self.slab.start, self.slab.stop, layout.cp, tokens, kept,
                          1 - kept / tokens, mcfg.mask_ratio)
-        if self.world > 1:
-            step_model = strategies.apply_strategy(step_model, cfg.dist.strategy,
-                                                   units=strategies.sharding_units(self.model))
-        self.step_model = step_model
-        self.optimizer = build_optimizer(step_model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                                         betas=cfg.train.betas, algorithm=cfg.train.optimizer,
-                                         muon_lr=cfg.train.muon_lr)
-        lr_of_step = schedule(cfg)
-        # stepped by hand once per optimiser step, whatever the world size
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_of_step(s) / cfg.train.lr)
-        torch.manual_seed(cfg.data.seed * 1000 + 17 + self.rank)
-        self.checkpointer = checkpoint.Checkpointer(
-            storage.join(self.run_root, "ckpt"), acc,
-            checkpoint.StepState(self.model, step_model, self.optimizer, self.scheduler, self.sharded), cfg.train)
+        return step_model
+
+    def step_hooks(self, step_model: torch.nn.Module, deepspeed: bool) -> StepHooks:
+        """How the step runs on this device and strategy: Accelerate's autocast, and the strategy's backward,
+        gradient sync, clipping and update (DeepSpeed's engine clips, skips non-finite gradients and steps; it
+        reduces gradients in every backward, so it has no no_sync)."""
+        acc = self.accelerator
         reduce_sum = (lambda t: acc.reduce(t, "sum")) if self.world > 1 else None
-        self.noise_gen = torch.Generator(device=acc.device)
-        hooks = StepHooks(
+        check_finite = lambda losses, norm: all_ranks_finite(losses, norm, reduce=reduce_sum)  # noqa: E731
+        if deepspeed:
+            from sfm.distributed import deepspeed_zero
+
+            return StepHooks(autocast=acc.autocast, backward=functools.partial(deepspeed_zero.backward, step_model),
+                             check_finite=check_finite, update=functools.partial(deepspeed_zero.step, step_model))
+        return StepHooks(
             autocast=acc.autocast, no_sync=(lambda: strategies.no_sync(step_model)) if self.world > 1 else None,
             backward=acc.backward, clip_grad_norm=lambda _params, max_norm: strategies.clip_grad_norm(step_model, max_norm),
-            check_finite=lambda losses, norm: all_ranks_finite(losses, norm, reduce=reduce_sum))
-        self.train_step = TrainStep(step_model, self.optimizer, self.scheduler, grad_clip=cfg.train.grad_clip,
-                                    hooks=hooks, mask_noise=self.mask_noise)
+            check_finite=check_finite)
 
     def open_data(self) -> None:
         """This rank's batch stream (its position is a checkpoint part). The cp ranks of a dp group
@@ -326,10 +355,10 @@ class Trainer:
 
     def export(self, url: str) -> None:
         """The full model to ``url`` from the main process (sharded: rank 0 gathers the shards into a
-        fresh model first, a collective)."""
+        fresh model first, a collective): the same plain safetensors whatever the strategy."""
         model = self.model
-        if self.sharded:
-            full = strategies.full_state_dict(self.step_model)
+        if self.shards is not None:
+            full = self.shards.full_state_dict()
             if self.main:
                 model = build_model(self.mcfg)
                 model.load_state_dict(full)
@@ -342,7 +371,8 @@ class Trainer:
         start_step = self.start_step
         final_url = storage.join(self.run_root, "final")
         self.export(final_url)
-        digests = replica_digests(self.model) if self.world > 1 and not self.sharded else None  # a collective
+        replicated = self.world > 1 and self.strategy in strategies.REPLICATED
+        digests = replica_digests(self.model) if replicated else None  # a collective
         summary = None
         if self.main:
             history = self.metrics.history

@@ -19,6 +19,7 @@ from accelerate import PartialState
 
 from sfm import storage
 from sfm.config import TrainConfig
+from sfm.errors import SFMError
 from sfm.train import checkpoint
 
 
@@ -35,16 +36,37 @@ class Counter:
         self.value = state["value"]
 
 
+class WholeShards:
+    """A one-process sharded strategy's shards (``checkpoint.Shards``) of kind ``kind``: its one rank's part is
+    the whole model and optimiser, in the checkpoint's shards folder; another world size cannot load it."""
+
+    reshards = False
+
+    def __init__(self, kind: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.kind, self.model, self.optimizer = kind, model, optimizer
+
+    def save(self, url: str) -> None:
+        buf = io.BytesIO()
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, buf)
+        storage.write_bytes(storage.join(url, "rank0-part.pt"), buf.getvalue())
+
+    def load(self, url: str) -> None:
+        state = torch.load(io.BytesIO(storage.read_bytes(storage.join(url, "rank0-part.pt"))), weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
 class Run:
     """A tiny model, its optimiser and schedule, and a Checkpointer with a shared counter, a per-rank
-    counter kept on rollback, and the RNG states registered."""
+    counter kept on rollback, and the RNG states registered; ``shards``: a sharded strategy of that kind."""
 
-    def __init__(self, root: str, keep: int = 2):
+    def __init__(self, root: str, keep: int = 2, shards: str = ""):
         self.model = torch.nn.Linear(3, 2)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 / (1 + s))
         self.shared, self.own = Counter(), Counter()
-        state = checkpoint.StepState(self.model, self.model, self.optimizer, self.scheduler, sharded=False)
+        sharded = WholeShards(shards, self.model, self.optimizer) if shards else None
+        state = checkpoint.StepState(self.model, self.model, self.optimizer, self.scheduler, sharded=sharded)
         self.ckpt = checkpoint.Checkpointer(root, PartialState(cpu=True), state,
                                             TrainConfig(checkpoint_every=10, keep_checkpoints=keep))
         self.ckpt.register("shared", self.shared)
@@ -98,6 +120,30 @@ def test_load_restores_weights_optimiser_schedule_and_every_part(root):
     assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1]) and got[2] == expected[2]
     state = json.loads(storage.read_bytes(storage.join(checkpoint.step_dir(root, 20), checkpoint.MARKER)))
     assert state == {"step": 20, "sharded": False, "shared": {"value": 10}}  # the per-rank parts are not in it
+
+
+def test_sharded_checkpoints_load_only_into_their_kind_and_onto_their_world_size(root):
+    """The marker names the shards' kind and world size: a strategy of another kind, an unsharded one, and
+    (shards that cannot reshard, as DeepSpeed's) another world size are refused in one line each."""
+    saved = Run(root, shards="deepspeed")
+    saved.save(10)
+    url = checkpoint.step_dir(root, 10)
+    assert storage.exists(storage.join(checkpoint.shards_url(root, 10), "rank0-part.pt"))
+    assert not storage.exists(storage.join(url, "model.safetensors"))
+    marker = storage.join(url, checkpoint.MARKER)
+    state = json.loads(storage.read_bytes(marker))
+    assert state["sharded"] == {"kind": "deepspeed", "world_size": 1}
+    fresh = Run(root, shards="deepspeed")
+    assert fresh.ckpt.load() == url and torch.all(fresh.model.weight == 10.0) and fresh.shared.value == 10
+    with pytest.raises(SFMError, match=r"holds deepspeed shards, which this fsdp2 run cannot read; resume it with"):
+        Run(root, shards="fsdp2").ckpt.load()
+    with pytest.raises(SFMError, match=r"is sharded \(a deepspeed run\); resume it with the same dist.strategy"):
+        Run(root).ckpt.load()
+    state["sharded"]["world_size"] = 2
+    storage.write_bytes(marker, json.dumps(state).encode())
+    with pytest.raises(SFMError, match=r"was written by 2 ranks and deepspeed cannot reshard its optimiser state "
+                                       r"onto 1; resume it on 2 ranks"):
+        Run(root, shards="deepspeed").ckpt.load()
 
 
 def test_a_rollback_leaves_the_parts_kept_on_rollback_alone(root):

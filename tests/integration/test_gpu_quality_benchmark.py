@@ -6,30 +6,19 @@ unimportable in the benchmark and in every worker process it spawns."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.bare_gpu import bare_gpu_env
 
 PROJECT = Path(__file__).resolve().parents[2]
-BANNED = ("metaflow", "zarr", "segyio", "boto3", "botocore", "fsspec", "s3fs", "obstore", "numcodecs")
 
 
 @pytest.mark.timeout(600)
 def test_gpu_quality_smoke_pretrains_and_fine_tunes_without_the_data_stack(tmp_path):
-    blocker = tmp_path / "site"
-    blocker.mkdir()
-    (blocker / "sitecustomize.py").write_text(
-        "import importlib.abc, sys\n"
-        f"BANNED = {BANNED!r}\n"
-        "class Ban(importlib.abc.MetaPathFinder):\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in BANNED:\n"
-        "            raise ImportError(f'{name} is not on a bare GPU machine')\n"
-        "sys.meta_path.insert(0, Ban())\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), os.environ.get("PYTHONPATH", "")])}
+    env = bare_gpu_env(tmp_path)
     proc = subprocess.run([sys.executable, "benchmarks/gpu_quality.py", "--smoke", "--workers", "2",
                            "--data", str(tmp_path / "surveys")],
                           cwd=PROJECT, env=env, capture_output=True, text=True, timeout=580)

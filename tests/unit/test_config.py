@@ -115,3 +115,22 @@ def test_the_finetune_section_and_the_champion_metric_are_checked():
         with pytest.raises(SFMError, match=named):
             JobConfig.from_toml(None, [override]).validate()
     JobConfig.from_toml(None, ["registry.champion_metric=ft_ap_gain_b4", "finetune.head=unetr"]).validate()
+
+
+def test_deepspeed_strategies_refuse_muon_context_parallelism_and_a_missing_extra(monkeypatch):
+    """Refused at the flow's start, in one line each: Muon (ZeRO's optimiser sees flat partitions, and
+    DeepSpeed's own Muon is not the project's), cp > 1, and DeepSpeed not installed."""
+    import sys
+
+    from sfm import pipeline
+
+    for strategy in ("deepspeed-zero2", "deepspeed-zero3"):
+        assert pipeline.job_config({}, pipeline.Overrides(strategy=strategy, nodes=2)).dist.strategy == strategy
+        with pytest.raises(SFMError, match=f"train.optimizer = muon .* which {strategy}'s shards do not hold"):
+            pipeline.job_config({"train": {"optimizer": "muon"}}, pipeline.Overrides(strategy=strategy, procs_per_node=2))
+        with pytest.raises(SFMError, match=f"dist.cp = 2 runs with dist.strategy = ddp .*; {strategy} with context"):
+            pipeline.job_config({}, pipeline.Overrides(strategy=strategy, procs_per_node=2, cp=2))
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if the extra were not installed
+    with pytest.raises(SFMError, match=r"^dist.strategy = deepspeed-zero3 needs DeepSpeed: pip install 'sfm\[deepspeed\]'"):
+        pipeline.job_config({}, pipeline.Overrides(strategy="deepspeed-zero3", procs_per_node=2))
+    pipeline.job_config({}, pipeline.Overrides(strategy="deepspeed-zero3"))  # one process trains without it
