@@ -58,8 +58,9 @@ from sfm.eval.fault_scores import average_precision, scores
 from sfm.eval.labelled import (Held, Volume, budget_volumes, cut, evaluation_pool, evaluation_test,
                                evaluation_validation, random_crops, split_for_validation, tiles, whole)
 from sfm.eval.volume_predict import predict
-from sfm.finetune.loop import balanced_bce, train_steps
+from sfm.finetune.loop import balanced_bce, reporting, train_steps
 from sfm.model.segmenter import Segmenter
+from sfm.progress import Progress
 from sfm.train.step import lr_at
 
 
@@ -105,7 +106,8 @@ def validation_ap(net: Segmenter, held: list[Held]) -> float:
 
 
 def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *, head: nn.Linear | None = None,
-              freeze_encoder: bool = False, held: list[Held] | None = None) -> Segmenter:
+              freeze_encoder: bool = False, held: list[Held] | None = None,
+              progress: Progress | None = None) -> Segmenter:
     """Train ``Segmenter(mae)`` (the per-token linear head; in place: ``mae`` is changed) on random crops
     of ``train`` with :func:`sfm.finetune.loop.train_steps`, starting from ``head`` if given (linear
     probing first, then fine-tuning: LP-FT).
@@ -116,7 +118,8 @@ def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *,
     ``net.validation`` lists every (step, validation AP).
 
     Everything random (the head's initialisation, the crops, their flips) comes from ``seed``, so two
-    encoders fine-tuned with one seed see exactly the same data in the same order.
+    encoders fine-tuned with one seed see exactly the same data in the same order. ``progress`` counts
+    the steps (and shows their loss).
     """
     torch.manual_seed(seed)
     net = Segmenter(mae)
@@ -131,9 +134,14 @@ def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *,
     def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return balanced_bce(logits[:, 0], labels.to(logits.device, non_blocking=True), positive)
 
-    return train_steps(net, recipe, batches, loss_of, freeze_encoder=freeze_encoder,
-                       validate=(lambda n: validation_ap(n, held)) if held else None,
-                       score_start=bool(held) and head is not None)
+    if progress is not None:
+        loss_of = reporting(loss_of, progress)
+    net = train_steps(net, recipe, batches, loss_of, freeze_encoder=freeze_encoder,
+                      validate=(lambda n: validation_ap(n, held)) if held else None,
+                      score_start=bool(held) and head is not None)
+    if progress is not None:
+        progress.close()
+    return net
 
 
 def supervised_pretrain(mae: nn.Module, volumes: list[Volume], recipe: Recipe, *, steps: int, lr: float,
@@ -359,7 +367,8 @@ def one_run(cfg, state: dict | None, volumes: RunVolumes, recipe: Recipe, seed: 
     start = None
     if recipe.linear_first:  # the LP-FT head sees only the labels fine-tuning may see
         start = head if fit is train else train_linear_head(*tokens_of(mae, fit)[:2], recipe, seed)
-    net = fine_tune(mae, fit, recipe, seed, head=start, held=held)
+    progress = Progress(recipe.steps, f"downstream budget {len(train)} seed {seed} {init}: fine-tune")
+    net = fine_tune(mae, fit, recipe, seed, head=start, held=held, progress=progress)
     test_probs = [predict(net, a, augment=recipe.test_augment) for a, _ in test]
     train_probs = [predict(net, a, augment=recipe.test_augment) for a, _ in train]
     out["ft"] = {**scores(train_probs, train, test_probs, test), "steps": net.chosen_step}

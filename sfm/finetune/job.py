@@ -29,10 +29,11 @@ import torch
 from sfm import storage
 from sfm.config import LABEL_IGNORE, JobConfig
 from sfm.errors import SFMError
-from sfm.finetune.loop import class_weights, masked_loss, set_trainable, train_steps
+from sfm.finetune.loop import class_weights, masked_loss, reporting, set_trainable, train_steps
 from sfm.finetune.samples import LabelledCrops, LabelledSurveys, Split, finetune_data, split_roles
 from sfm.finetune.scores import validation_score
 from sfm.model.segmenter import Segmenter, Task, save_segmenter
+from sfm.progress import Progress
 
 
 def encoder_of(job: dict[str, Any], cfg: JobConfig, seed: int):
@@ -112,11 +113,16 @@ def fine_tune(job: dict[str, Any], rank: int = 0, world: int = 1) -> dict[str, A
     probe = ft.linear_first and ft.probe_steps > 0
     if probe:  # LP: the head alone on the frozen encoder
         recipe = dataclasses.replace(ft, steps=ft.probe_steps, lr=ft.probe_lr, layer_decay=1.0)
-        train_steps(net, recipe, batches, loss_of, forward=wrapped(net, world, True), freeze_encoder=True)
+        progress = Progress(recipe.steps, "fine-tune: linear probe", every_s=cfg.train.log_every_s, enabled=rank == 0)
+        train_steps(net, recipe, batches, reporting(loss_of, progress), forward=wrapped(net, world, True),
+                    freeze_encoder=True)
+        progress.close()
         offset[0] = ft.probe_steps
     recipe = dataclasses.replace(ft, lr=ft.lr_random) if not job["encoder_url"] and ft.lr_random > 0 else ft
-    train_steps(net, recipe, batches, loss_of, forward=wrapped(net, world, False), validate=validate,
-                score_start=probe)
+    progress = Progress(recipe.steps, "fine-tune", every_s=cfg.train.log_every_s, enabled=rank == 0)
+    train_steps(net, recipe, batches, reporting(loss_of, progress), forward=wrapped(net, world, False),
+                validate=validate, score_start=probe)
+    progress.close()
     crops.close()
     if rank != 0:
         return None

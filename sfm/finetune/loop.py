@@ -8,7 +8,9 @@
   validation score are kept, scored every ``validate_every`` steps (and at step 0 for LP-FT, where the
   head starts as a linear probe of the frozen encoder);
 - losses that weight the classes equally overall (FaultSeg3D's balanced cross-entropy), and leave out
-  the voxels nobody labelled (:func:`masked_loss`).
+  the voxels nobody labelled (:func:`masked_loss`);
+- progress a person can follow (:func:`reporting`): each step counted, with its loss, on a
+  :class:`sfm.progress.Progress` (plain lines every few seconds when the output is not a terminal).
 
 A ``recipe`` is anything with ``steps``, ``batch_size``, ``lr``, ``layer_decay``, ``weight_decay``,
 ``warmup_fraction`` and ``validate_every`` (the evaluation's ``Recipe``, the flow's ``FinetuneConfig``).
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sfm.model.segmenter import Segmenter
+from sfm.progress import Progress
 from sfm.train.step import lr_at, weight_decay_groups
 
 Batches = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # step -> (imgs [N, 1, D, H, W], labels [N, D, H, W])
@@ -88,6 +91,21 @@ def masked_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tenso
     else:
         per_voxel = F.cross_entropy(logits, target, weight=weights, reduction="none")
     return (per_voxel * labelled).sum() / labelled.sum().clamp(min=1)
+
+
+def reporting(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+              progress: Progress) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss_of`` that also counts each step on ``progress`` and shows that step's loss beside the count
+    (``train_steps`` computes the loss once per step)."""
+
+    def counted(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = loss_of(logits, labels)
+        if progress.enabled:
+            progress.set(loss=f"{loss.item():.4f}")
+        progress.update()
+        return loss
+
+    return counted
 
 
 def train_steps(net: Segmenter, recipe, batches: Batches, loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],

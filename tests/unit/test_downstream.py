@@ -235,7 +235,7 @@ def test_with_a_linear_probe_to_start_from_the_probe_itself_is_a_candidate(fault
 
 
 def test_separate_validation_volumes_stop_early_and_leave_the_whole_budget_to_fine_tuning(
-        fault_trained_encoder, volumes, monkeypatch):
+        fault_trained_encoder, volumes, monkeypatch, capsys):
     recipe = downstream.recipe_of(EvalConfig(budgets=(1,), seeds=1, test_volumes=1, volume=(64, 32, 64),
                                              finetune_steps=8, finetune_batch=2, validate_every=4, probes=False,
                                              validation_volumes=2))
@@ -256,6 +256,9 @@ def test_separate_validation_volumes_stop_early_and_leave_the_whole_budget_to_fi
     result = downstream.evaluate_downstream(fault_trained_encoder, recipe, pool=pool, test=volumes[1][:1],
                                             validation=validation)
     assert result["downstream"]["validation_volumes"] == 2 and len(seen) == 2  # pretrained and random
+    err = capsys.readouterr().err  # each arm's fine-tuning reports plain progress lines (no terminal here)
+    for arm in ("pretrained", "random"):
+        assert f"downstream budget 1 seed 0 {arm}: fine-tune: step 1/8 (12.5%), loss " in err, err
     for train, held, net in seen:
         assert [t[0].shape[0] for t in train] == [64]  # no inline of the budget is held out
         assert [h.first for h in held] == [0, 0]  # every inline of the validation volumes is scored

@@ -117,9 +117,10 @@ def test_held_out_scores_count_labelled_voxels_only_per_class():
     assert scores.validation_score([probs], [binary]) == one["ap"] < 1.0
 
 
-def test_a_classes_task_fine_tunes_from_random_init_and_scores_every_class(tmp_path):
+def test_a_classes_task_fine_tunes_from_random_init_and_scores_every_class(tmp_path, capsys):
     """The run's mechanics in one process (what each rank and the evaluate step do): three classes, held out by
-    a fraction of the labelled lines, a model saved with its task, scores per class."""
+    a fraction of the labelled lines, a model saved with its task, scores per class; plain progress lines
+    (stderr is not a terminal) with each phase's step count and loss."""
     from sfm.finetune import job as ftjob
     from sfm.finetune import run
     from sfm.ingest.synth import synth_survey
@@ -137,6 +138,10 @@ def test_a_classes_task_fine_tunes_from_random_init_and_scores_every_class(tmp_p
     job = run.node_job(cfg, pairs, run.resolve_encoder("random", root, cfg), "classes:3", str(tmp_path / "run"))
     summary = ftjob.fine_tune(job)
     assert summary["steps"] == 2 and [s for s, _ in summary["validation"]] == [0, 1, 2]
+    lines = capsys.readouterr().err.splitlines()
+    assert any(line.startswith("fine-tune: linear probe: step 1/1 (100.0%), loss ") for line in lines), lines
+    assert [line.split(",")[0] for line in lines if line.startswith("fine-tune: step")] == [
+        "fine-tune: step 1/2 (50.0%)", "fine-tune: step 2/2 (100.0%)"]  # the first step, then the last at close
     net = load_segmenter(summary["model_url"])
     assert net.task.name == "classes:3" and net.meta["lineage"]["encoder"] == "random"
     metrics, figures = run.evaluate(job, summary)
