@@ -23,7 +23,8 @@ import zarr
 from support import ingest_cases as cases
 from support.predict_reference import SurveyValues, blended
 
-from sfm import cli, registry, storage
+from sfm import cli, storage
+from sfm.model import registry
 from sfm.ingest.survey import ingest_survey
 from sfm.model import build_model, mae_config
 from sfm.model.io import save as save_mae

@@ -20,7 +20,7 @@ from safetensors.torch import load as load_safetensors
 from support.flowrun import client_view, fast_job_toml, run_flow
 from support.training import Killer, assert_same_run, final_weights, run_killed_twice
 
-from sfm import registry
+from sfm.model import registry
 
 MAX_STEPS, EVERY = 60, 5
 

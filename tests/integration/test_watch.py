@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import PROJECT
 
-from sfm import pipeline, registry, storage
+from sfm import pipeline, storage
+from sfm.model import registry
 from sfm.config import JobConfig
 from sfm.errors import SFMError
 from sfm.ops.schedule import schedule_cron, trigger_event
