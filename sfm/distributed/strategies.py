@@ -51,6 +51,7 @@ from sfm.config import STRATEGIES
 log = logging.getLogger(__name__)
 
 RESHARD_AFTER_FORWARD = {"fsdp2-zero2": False, "fsdp2-full": True}
+APPLIED = ("ddp", *RESHARD_AFTER_FORWARD)  # the strategies apply_strategy wraps a model for (DeepSpeed's: its engine)
 REPLICATED = ("ddp", "deepspeed-zero2")  # every rank holds the full weights (their digests can be compared)
 
 
@@ -73,8 +74,10 @@ def apply_strategy(model: nn.Module, strategy: str, mesh: DeviceMesh | None = No
     ``param_dtype`` (FSDP2 only, e.g. torch.bfloat16): compute in that dtype with float32 master
     weights and float32 gradient reduction; DDP uses autocast instead.
     """
-    if strategy not in STRATEGIES or strategy.startswith("deepspeed"):
-        raise ValueError(f"strategy {strategy!r} is not applied here; valid: ddp, {', '.join(RESHARD_AFTER_FORWARD)} "
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
+    if strategy not in APPLIED:
+        raise ValueError(f"strategy {strategy!r} is not applied here; valid: {', '.join(APPLIED)} "
                          "(DeepSpeed's: sfm.distributed.deepspeed_zero.initialize)")
     device = next(model.parameters()).device
     mesh = mesh or data_parallel_mesh(device)

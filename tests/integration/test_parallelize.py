@@ -75,7 +75,7 @@ def worker(rank: int, port: int, out_dir: str, s3_root: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=dt.timedelta(seconds=120))
     results = {}
     try:
-        for strategy in parallelize.STRATEGIES:
+        for strategy in parallelize.APPLIED:
             model = parallelize.apply_strategy(make_model(), strategy)
             optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.05)
             losses = [train_step(model, optimizer, s, rank, WORLD) for s in range(STEPS)]
@@ -123,7 +123,7 @@ def test_strategies_on_two_processes_match_one_process(tmp_path, s3_env):
     ref_losses, ref_weights = reference_run()
     assert ref_losses[-1] < ref_losses[0]  # it learns, so matching curves mean something
 
-    for strategy in parallelize.STRATEGIES:
+    for strategy in parallelize.APPLIED:
         r0, r1 = ranks[0][strategy], ranks[1][strategy]
         curve = r0["losses"] + [r0["next_loss"]]
         assert curve == r1["losses"] + [r1["next_loss"]]  # the loss is all-reduced: identical on both ranks
@@ -145,6 +145,8 @@ def test_strategies_on_two_processes_match_one_process(tmp_path, s3_env):
 def test_unknown_strategy():
     with pytest.raises(ValueError, match="unknown strategy 'zero3'"):
         parallelize.apply_strategy(make_model(), "zero3")
+    with pytest.raises(ValueError, match="'deepspeed-zero2' is not applied here.*deepspeed_zero.initialize"):
+        parallelize.apply_strategy(make_model(), "deepspeed-zero2")  # DeepSpeed's engine wraps its own
 
 
 def overlap_worker(rank: int, port: int, out_dir: str) -> None:
