@@ -34,6 +34,7 @@ class MetricsLogger:
         self.pending: list[torch.Tensor] = []  # mean loss of each step since history was last written
         self.started = time.perf_counter()
         self._window_start, self._window_steps, self._paused = self.started, 0, 0.0
+        self._run_samples, self._run_seconds = 0, 0.0  # every logged window of this attempt together
         # a bar on a terminal, a plain line every ``every_s`` seconds in a flow task or a Slurm log
         self.progress = Progress(max_steps, "pretrain", every_s=every_s, enabled=accelerator.is_main_process)
 
@@ -49,14 +50,21 @@ class MetricsLogger:
                             for i, v in enumerate(losses))
         self.pending.clear()
 
-    def log(self, step: int, lr: float) -> None:
-        """Loss, learning rate and throughput of the window since the last log, everywhere."""
-        speed = throughput(samples=self._window_steps * self.samples_per_step,
-                           seconds=time.perf_counter() - self._window_start - self._paused,
-                           flops_per_sample=self.flops_per_sample, voxels_per_sample=self.voxels_per_sample,
-                           peak_flops=self.peak.flops, devices=self.accelerator.num_processes)
+    def _speed(self, samples: int, seconds: float) -> dict[str, float]:
+        speed = throughput(samples=samples, seconds=seconds, flops_per_sample=self.flops_per_sample,
+                           voxels_per_sample=self.voxels_per_sample, peak_flops=self.peak.flops,
+                           devices=self.accelerator.num_processes)
         mfu = self.peak.checked(speed.pop("mfu"))  # None: above the peak, a wrong number not to report
         speed.update({"mfu": mfu} if mfu is not None else {})
+        return speed
+
+    def log(self, step: int, lr: float) -> None:
+        """Loss, learning rate and throughput of the window since the last log, everywhere."""
+        samples = self._window_steps * self.samples_per_step
+        seconds = time.perf_counter() - self._window_start - self._paused
+        self._run_samples, self._run_seconds = self._run_samples + samples, self._run_seconds + seconds
+        speed = self._speed(samples, seconds)
+        mfu = speed.get("mfu")
         loss = self.history[-1]["loss"]
         metrics = {"loss": float("nan") if loss is None else loss, "lr": lr, **speed}
         self.history[-1].update({k: v for k, v in metrics.items() if k != "loss"})
@@ -87,10 +95,10 @@ class MetricsLogger:
         self.history = list(history)
         self.progress.reset(history[-1]["step"] if history else 0)
 
-    def latest(self) -> dict[str, Any]:
-        """The last logged speed figures (empty before the first log)."""
-        tail = [h for h in self.history if "samples_per_s" in h]
-        return tail[-1] if tail else {}
+    def overall(self) -> dict[str, Any]:
+        """The speed of this attempt: every logged window together (their samples over their training seconds,
+        MFU checked against the peak as it stands), what the summary reports; empty before the first log."""
+        return self._speed(self._run_samples, self._run_seconds) if self._run_seconds > 0 else {}
 
     def close(self) -> None:
         self.progress.close()

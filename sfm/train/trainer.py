@@ -377,7 +377,7 @@ class Trainer:
         if self.main:
             history = self.metrics.history
             finite = [h["loss"] for h in history if h["loss"] is not None]
-            speed = self.metrics.latest()
+            speed = self.metrics.overall()
             steps_run = cfg.train.max_steps - start_step
             summary = TrainSummary(
                 steps=cfg.train.max_steps, steps_this_attempt=steps_run, resumed_from_step=start_step,

@@ -1,5 +1,6 @@
 """A training run whose output is not a terminal (a flow task, a Slurm log) prints plain progress lines, from
-rank 0 only, every ``train.log_every_s``: step/total, loss, samples/s, MFU and ETA; no bar, no carriage return."""
+rank 0 only, every ``train.log_every_s``: step/total, loss, samples/s, MFU and ETA; no bar, no carriage return.
+The run's summary reports the speed of the whole run."""
 
 from __future__ import annotations
 
@@ -34,3 +35,8 @@ def test_two_ranks_print_plain_progress_lines_from_rank_0(survey_store, tmp_path
     assert steps == sorted(set(steps)) and steps[-1] == 12, lines  # one process prints: no step twice
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["mfu"] is None or 0 < summary["mfu"] <= 1
+    # the summary's speed is the whole run's, not its last window's: 6 windows of 2 steps, the same samples
+    # each, so all of them together run at the harmonic mean of their rates
+    rates = [h["samples_per_s"] for h in summary["history"] if "samples_per_s" in h]
+    assert len(rates) == 6, summary["history"]
+    assert summary["samples_per_s"] == pytest.approx(len(rates) / sum(1 / r for r in rates), rel=1e-9)
