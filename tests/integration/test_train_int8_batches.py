@@ -5,6 +5,9 @@ with the region pool and a DataLoader worker."""
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -23,11 +26,19 @@ def int8_store(tmp_path_factory) -> str:
 
 @pytest.mark.timeout(600)
 def test_int8_batches_train_as_float32_batches_of_the_same_store(int8_store, tmp_path, monkeypatch):
+    # the trainers' temp dir: nothing of theirs may stay behind in it. A short path under /tmp, not tmp_path: the
+    # DataLoader's forkserver binds a Unix socket in it, and socket paths stop at 107 bytes
+    scratch = Path(tempfile.mkdtemp(prefix="sfm-i8-", dir="/tmp"))
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    try:
+        _train_both(int8_store, tmp_path, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _train_both(int8_store: str, tmp_path: Path, scratch: Path) -> None:
     from sfm.distributed.launch import free_port, launch_node
 
-    scratch = tmp_path / "scratch"  # the trainers' temp dir: nothing of theirs may stay behind in it
-    scratch.mkdir()
-    monkeypatch.setenv("TMPDIR", str(scratch))
     histories = {}
     for dtype in ("float32", "int8"):
         run_root = tmp_path / dtype
