@@ -68,14 +68,23 @@ def _publish_row(url: str, contract: str, row: dict[str, Any], name: str) -> boo
 
 def _read_row(url: str, contract: str) -> dict[str, Any] | None:
     """The row at ``url``, validated against ``contract``; None if there is none."""
-    import pyarrow.parquet as pq
-
     if not storage.exists(url):
         return None
-    row = pq.read_table(io.BytesIO(storage.read_bytes(url))).to_pylist()[0]
+    row = decode_row(storage.read_bytes(url))
     row["shape"] = [int(v) for v in row["shape"]]
     validate(contract, row, url)
     return row
+
+
+def decode_row(data: bytes) -> dict[str, Any]:
+    """The first row of the parquet object ``data``, as a dict.
+
+    Arrow's thread pools stay off: a process that read parquet with them aborts at random as it exits
+    ("terminate called without an active exception", apache/arrow#34314), which failed finished ingests.
+    """
+    import pyarrow.parquet as pq
+
+    return pq.read_table(io.BytesIO(data), use_threads=False, pre_buffer=False).to_pylist()[0]
 
 
 def publish_or_get(data_root: str, row: dict[str, Any]) -> tuple[dict[str, Any], bool]:

@@ -155,3 +155,16 @@ def test_a_rerun_removes_what_killed_writers_left_and_keeps_live_ones(tmp_path):
     live.unlink()
     keys = lambda r: sorted(str(p.relative_to(r)) for p in r.rglob("*") if p.is_file())  # noqa: E731
     assert keys(store) == keys(Path(done["store_url"]))
+
+
+def test_a_process_that_read_a_manifest_row_exits_cleanly(tmp_path, segy_dir):
+    """Reading a row with Arrow's thread pools made about two exits in three abort once the read was the
+    process's last work (std::terminate on a live pool thread), so the losing ingest of a race failed at
+    random. Ten fresh processes whose last work is reading a published row must all exit 0."""
+    row = ingest_survey(str(segy_dir / "small.sgy"), str(tmp_path / "root"))
+    script = ("import sys; from pathlib import Path; from sfm.ingest import manifest; "
+              "data = Path(sys.argv[1]).read_bytes(); print(manifest.decode_row(data)['survey_id'])")
+    path = manifest.row_url(str(tmp_path / "root"), row["survey_id"])
+    for _ in range(10):
+        run = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, cwd=PROJECT)
+        assert (run.returncode, run.stdout.strip()) == (0, row["survey_id"]), run.stderr

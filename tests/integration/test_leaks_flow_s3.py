@@ -101,9 +101,10 @@ def layers(blob: bytes, depth: int = 0):
 
             decoded.append(bytes(Zstd().decode(blob)))
         elif blob[:4] == b"PAR1":
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # no thread pools: they can abort the process at exit
 
-            decoded.append(json.dumps(pq.read_table(io.BytesIO(blob)).to_pylist(), default=str).encode())
+            table = pq.read_table(io.BytesIO(blob), use_threads=False, pre_buffer=False)
+            decoded.append(json.dumps(table.to_pylist(), default=str).encode())
     except Exception:  # not what the magic bytes suggested: the raw bytes were scanned already
         pass
     for inner in decoded:
