@@ -168,6 +168,10 @@ def test_registry_cli_load_round_trips_the_weights(tmp_path):
     listed = [json.loads(line) for line in sfm_cli("registry", "list", "--data-root", root, "--model", MODEL)
               .stdout.splitlines()]
     assert [(v["version"], v["champion"]) for v in listed] == [(1, False), (2, True)]
+    listing = ("import sys; from sfm.cli import main; sys.argv = ['sfm', 'registry', 'list', '--data-root', sys.argv[1]]; "
+               "main(); print('torch' in sys.modules)")  # reading records needs no torch: a quick listing
+    proc = subprocess.run([sys.executable, "-c", listing, root], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "False", proc.stdout + proc.stderr
     shown = json.loads(sfm_cli("registry", "show", "--data-root", root, "--model", MODEL).stdout)
     assert shown["version"] == 2 and shown["champion"] is True
 
