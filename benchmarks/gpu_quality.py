@@ -161,7 +161,7 @@ def run_variant(args: tuple) -> dict:
     seeds = 1 if smoke else recipe.seeds
     if smoke:
         recipe = dataclasses.replace(recipe, steps=4, validate_every=2, test_volumes=1, validation_volumes=1,
-                                     pool_volumes=4)
+                                     pool_volumes=4, volume=(32, 32, 64), probe_steps=10, test_augment=False)
     pool, test, validation = evaluation_pool(recipe), evaluation_test(recipe), evaluation_validation(recipe)
     t0 = time.perf_counter()
     record = {"name": name, "overrides": over}

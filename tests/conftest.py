@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 # Two xdist workers share the cores, so a test's torch threads are nearly always oversubscribed, and GNU
-# OpenMP's threads spin at each barrier while the thread they wait for is descheduled: a downstream
-# fine-tuning test took 4.7x its time alone beside two busy cores, 1.9x with passive waiting. Set before
-# torch loads OpenMP here, and inherited by every process a test starts.
+# OpenMP's threads spin at each barrier while the thread they wait for is descheduled, which makes
+# torch-heavy tests several times slower (the measurement is in BENCHMARKS.md, "CI time"). Set before torch
+# loads OpenMP here, and inherited by every process a test starts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # torch must be imported before metaflow.Runner loads the flow in this process: Metaflow's vendored
