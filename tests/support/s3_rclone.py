@@ -105,6 +105,7 @@ class FaultProxy:
         self.mode = "pass"
         self.faults = 0  # connections reset or requests refused/throttled by the proxy
         self._lock = threading.Lock()
+        self._switch = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._listener: socket.socket | None = None
         self._closed = False
@@ -112,17 +113,22 @@ class FaultProxy:
 
     # ---- control ----------------------------------------------------------------------------
     def set_mode(self, mode: str) -> None:
+        """Switch to ``mode`` (one switch at a time: a test's switch and a :meth:`faults_for` timer's could
+        otherwise both reopen the listener, and the second bind fails). Once closed, it stays closed."""
         assert mode in self.MODES, mode
-        with self._lock:
-            self.mode = mode
-            conns, self._conns = list(self._conns), set()
-        for sock in conns:
-            _reset(sock)
-        if mode == "refuse" and self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        elif mode != "refuse" and self._listener is None:
-            self._listen()
+        with self._switch:
+            if self._closed and mode != "refuse":
+                return  # a faults_for timer that fires after close()
+            with self._lock:
+                self.mode = mode
+                conns, self._conns = list(self._conns), set()
+            for sock in conns:
+                _reset(sock)
+            if mode == "refuse" and self._listener is not None:
+                self._listener.close()
+                self._listener = None
+            elif mode != "refuse" and self._listener is None:
+                self._listen()
 
     def faults_for(self, mode: str, seconds: float) -> None:
         """Misbehave as ``mode`` for ``seconds``, then pass traffic again (in a background thread)."""
