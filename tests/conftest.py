@@ -15,7 +15,7 @@ import pytest
 
 # Two xdist workers share the cores, so a test's torch threads are nearly always oversubscribed, and GNU
 # OpenMP's threads spin at each barrier while the thread they wait for is descheduled, which makes
-# torch-heavy tests several times slower (the measurement is in BENCHMARKS.md, "CI time"). Set before torch
+# torch-heavy tests several times slower (measured in benchmarks/history/ci.md). Set before torch
 # loads OpenMP here, and inherited by every process a test starts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
