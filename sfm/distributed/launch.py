@@ -98,6 +98,24 @@ def launch_node(job: dict[str, Any], *, nodes: int, procs_per_node: int, node_ra
                            "see the log above, then resume the run to continue from the last checkpoint")
 
 
+def job_file_main(argv: list[str] | None, module: str, command: str, run: Callable[[dict[str, Any]], Any]) -> int:
+    """The ``python -m <module> JOB.json`` entry point of each process :func:`launch_node` starts: reads the
+    job file and calls ``run(job)``. Returns the exit code: 2 for a wrong command line or a user error
+    (:class:`SFMError`, printed as one line ``sfm <command>: error: ...``), 0 otherwise."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(f"usage: python -m {module} JOB.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as fh:
+        job = json.load(fh)
+    try:
+        run(job)
+    except SFMError as err:
+        print(f"sfm {command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def launcher_of(job: dict[str, Any]) -> str:
     """The job's ``dist.launcher`` (a job file's config may leave out what it does not change)."""
     return JobConfig.from_dict(job.get("config")).dist.launcher

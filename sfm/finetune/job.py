@@ -28,6 +28,7 @@ import torch
 
 from sfm import storage
 from sfm.config import LABEL_IGNORE, JobConfig
+from sfm.distributed.launch import job_file_main
 from sfm.errors import SFMError
 from sfm.finetune.loop import class_weights, masked_loss, reporting, set_trainable, train_steps
 from sfm.finetune.samples import LabelledCrops, LabelledSurveys, Split, finetune_data, split_roles
@@ -138,13 +139,9 @@ def fine_tune(job: dict[str, Any], rank: int = 0, world: int = 1) -> dict[str, A
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m sfm.finetune.job JOB.json", file=sys.stderr)
-        return 2
-    with open(argv[0]) as fh:
-        job = json.load(fh)
+def fine_tune_rank(job: dict[str, Any]) -> dict[str, Any]:
+    """:func:`fine_tune` as this process's rank of the launch (``RANK``, ``WORLD_SIZE`` from the launcher),
+    in the process group it sets up for the job and ends after it."""
     cfg = JobConfig.from_dict(job["config"])
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if cfg.train.threads_per_process > 0:
@@ -155,14 +152,14 @@ def main(argv: list[str] | None = None) -> int:
         backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(backend, timeout=dt.timedelta(seconds=cfg.dist.timeout_s))
     try:
-        fine_tune(job, rank, world)
-    except SFMError as err:
-        print(f"sfm finetune: error: {err}", file=sys.stderr)
-        return 2
+        return fine_tune(job, rank, world)
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return job_file_main(argv, "sfm.finetune.job", "finetune", fine_tune_rank)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from sfm.config import JobConfig
 from sfm.data import training_stream
 from sfm.distributed import strategies
 from sfm.distributed.accelerate_launch import check_environment, precision_of
-from sfm.distributed.launch import environment_for_workers
+from sfm.distributed.launch import environment_for_workers, job_file_main
 from sfm.distributed.layout import Layout, cp_group, replica_digests
 from sfm.errors import SFMError
 from sfm.model import build_model, model_config_for, train_flops_per_sample
@@ -453,18 +453,7 @@ def train(job: dict[str, Any]) -> TrainSummary | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m sfm.train.trainer JOB.json", file=sys.stderr)
-        return 2
-    with open(argv[0]) as fh:
-        job = json.load(fh)
-    try:
-        train(job)
-    except SFMError as err:
-        print(f"sfm train: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return job_file_main(argv, "sfm.train.trainer", "train", train)
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def test_a_classes_task_fine_tunes_from_random_init_and_scores_every_class(tmp_p
 
     made = synth_survey(tmp_path / "s.sgy", shape=(40, 36, 48), seed=5)
     root = str(tmp_path / "root")
-    row = ingest_survey(made["segy"], root, chunk=16)
+    ingest_survey(made["segy"], root, chunk=16)
     classes = np.broadcast_to((np.arange(36) * 3 // 36)[None, :, None], (40, 36, 48))  # thirds of the crosslines
     np.save(tmp_path / "classes.npy", classes.astype(np.uint8))
     cfg = JobConfig.from_toml(None, ["finetune.steps=2", "finetune.probe_steps=1", "finetune.batch_size=2",
@@ -149,3 +149,18 @@ def test_a_classes_task_fine_tunes_from_random_init_and_scores_every_class(tmp_p
     assert figures["prediction"].shape[0] == 3 and figures["prediction"].shape[1:] == figures["labels"].shape
     with pytest.raises(SFMError, match="pass --task classes:3"):
         ftjob.fine_tune({**job, "task": "binary"})
+
+
+def test_a_fine_tuning_process_reports_a_bad_job_file_in_one_line(tmp_path, capsys):
+    """``python -m sfm.finetune.job JOB.json`` (each rank the fine-tune launch starts): a user error in the job
+    is one line and exit 2, as the pretraining processes' is; a wrong command line is its usage and exit 2."""
+    from sfm.finetune import job as finetune_job
+
+    bad = tmp_path / "job.json"
+    bad.write_text('{"config": {"train": {"max_stepz": 3}}, "run_root": "%s"}' % (tmp_path / "run"))
+    assert finetune_job.main([str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("sfm finetune: error: unknown config key 'train.max_stepz'"), err
+    assert not (tmp_path / "run").exists()
+    assert finetune_job.main([]) == 2
+    assert capsys.readouterr().err.strip() == "usage: python -m sfm.finetune.job JOB.json"
