@@ -140,10 +140,20 @@ def metaflow_env(tmp_path, monkeypatch):
 
 def pytest_collection_modifyitems(config, items):
     """Tests under tests/integration/ (flows, several processes, S3 servers) carry the ``integration``
-    marker: ``pytest -m "not integration"`` runs the unit tests alone, in a few minutes."""
+    marker: ``pytest -m "not integration"`` runs the unit tests alone, in a few minutes.
+
+    Files marked ``long(minutes)`` run first, the longest first (a stable sort keeps the order otherwise):
+    the xdist workers take files in this order (``--no-loadscope-reorder``), so the long ones start early and
+    the short ones fill the end, instead of a long file starting last while the other workers idle."""
     for item in items:
         if "integration" in Path(str(item.fspath)).parts:
             item.add_marker(pytest.mark.integration)
+
+    def minutes(item) -> float:
+        mark = item.get_closest_marker("long")
+        return mark.args[0] if mark else 0
+
+    items.sort(key=lambda item: -minutes(item))
 
 
 @pytest.fixture(scope="session")

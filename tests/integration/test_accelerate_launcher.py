@@ -28,6 +28,8 @@ from support.training import assert_same_run, make_survey_store
 
 from sfm.distributed.launch import launch_node
 
+pytestmark = pytest.mark.long(1)
+
 
 def sfm_cli(capsys, *args: str) -> tuple[int, str]:
     """``sfm ARGS`` in this process (its exit status and stderr): these commands start no training."""

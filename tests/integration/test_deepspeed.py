@@ -21,6 +21,8 @@ from support.training import assert_close, make_job, make_survey_store, start_ra
 
 from sfm import storage
 
+pytestmark = pytest.mark.long(1)
+
 STEPS, EVERY = 20, 5
 NAN = {"SFM_INJECT_FAILURES": "nan@6,nan@7,nan@8"}  # rank 0's batch: skipped, skipped, then a rollback to step 5
 

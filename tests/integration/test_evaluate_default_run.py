@@ -21,6 +21,8 @@ from support.flowrun import client_view, run_flow
 from support.pipeline_checks import check_pipeline, check_version_record
 from PIL import Image
 
+pytestmark = pytest.mark.long(3)
+
 _CARD_SCRIPT = r"""
 import json, sys
 from metaflow import Run, namespace

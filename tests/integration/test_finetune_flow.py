@@ -19,6 +19,8 @@ from support import ingest_cases
 from sfm.model import registry
 from sfm.config import JobConfig, toml_text
 
+pytestmark = pytest.mark.long(1)
+
 FLOW = Path(__file__).resolve().parents[2] / "flows" / "finetune_flow.py"
 SHAPE = (40, 40, 64)
 FAST = {"train": {"threads_per_process": 1},

@@ -16,6 +16,8 @@ from support.flowrun import client_view, fast_job_toml, run_flow
 
 from sfm.train import health
 
+pytestmark = pytest.mark.long(1)
+
 STEP_TIMEOUT_S = 15
 JOB_TOML = fast_job_toml(
     train={"max_steps": 25, "checkpoint_every": 5},

@@ -18,6 +18,8 @@ from support.flowrun import client_view, fast_job_toml, run_flow
 from safetensors.torch import load_file
 from support.training import Killer, assert_close, env_of, run_killed_twice
 
+pytestmark = pytest.mark.long(3)
+
 MAX_STEPS, EVERY, TIMEOUT_S = 30, 5, 30
 MASK_RATIO = 0.765625  # 32^3 crops of 8^3 patches keep 15 tokens (+ cls = 16): cp = 2 leaves it unchanged
 

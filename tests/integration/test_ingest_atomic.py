@@ -21,6 +21,8 @@ from support.ingest_cases import Backend, backend  # noqa: F401  (the local/S3 f
 from sfm.ingest import manifest
 from sfm.ingest.survey import ingest_survey
 
+pytestmark = pytest.mark.long(1)
+
 PROJECT = Path(__file__).resolve().parents[2]
 
 

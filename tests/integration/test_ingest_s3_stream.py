@@ -109,10 +109,10 @@ def test_s3_read_that_keeps_failing_is_retried_into_the_same_store(big_segy, lan
 
     def misbehave() -> None:  # for 12 s at most: a slow machine gets more faults, not endless ones
         modes = ["reset", "throttle", "restart"]  # (the restart refuses connections meanwhile)
-        k = 0
-        while not stop.wait(0.4) and k < 30:
+        for k in range(30):
+            if stop.wait(0.4):
+                return
             mode = modes[k % len(modes)]
-            k += 1
             if mode == "restart":
                 rclone_s3.restart(0.3)  # the server goes away: connections reset, then refused, then it is back
             else:

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 from conftest import FLOW, PROJECT
 
+pytestmark = pytest.mark.long(3)
+
 INSTALL = PROJECT / "deploy" / "install.sh"
 DEMO_OVERRIDES = """
 [synth]

@@ -32,6 +32,8 @@ from support.s3_request_log import S3RequestLog, allowed, s3_calls
 
 from sfm.storage import iam
 
+pytestmark = pytest.mark.long(3)
+
 BUCKET = "sfm-leaks"
 DATA_ROOT = f"s3://{BUCKET}/data"
 METAFLOW_ROOT = f"s3://{BUCKET}/metaflow"

@@ -22,6 +22,8 @@ from sfm.ingest.survey import ingest_survey
 from sfm.model import build_model, mae_config
 from sfm.model.segmenter import Segmenter, Task, save_segmenter
 
+pytestmark = pytest.mark.long(1)
+
 LIMIT = 320 << 20
 TILE, REPEATS = (128, 64, 1024), 40  # 5120 x 64 x 1024 float32: 1.34 GB
 OVERLAP = 0.25

@@ -25,7 +25,10 @@ from support.training import Killer, assert_same_run, final_weights, run_killed_
 
 from sfm.model import registry
 
+pytestmark = pytest.mark.long(3)
+
 MAX_STEPS, EVERY = 40, 5
+NODES = 2  # x 1 process each
 
 
 def job_toml(precision: str) -> str:
@@ -36,8 +39,8 @@ def job_toml(precision: str) -> str:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("strategy,nodes,precision", [("deepspeed-zero2", 2, "auto"), ("deepspeed-zero3", 2, "bf16")])
-def test_killed_pretrain_retries_then_resumes_to_the_uninterrupted_weights(strategy, nodes, precision, tmp_path,
+@pytest.mark.parametrize("strategy,precision", [("deepspeed-zero2", "auto"), ("deepspeed-zero3", "bf16")])
+def test_killed_pretrain_retries_then_resumes_to_the_uninterrupted_weights(strategy, precision, tmp_path,
                                                                           metaflow_env):
     data_root = tmp_path / "data"
     config = tmp_path / "job.toml"
@@ -46,13 +49,13 @@ def test_killed_pretrain_retries_then_resumes_to_the_uninterrupted_weights(strat
 
     killer = Killer(data_root)  # every node's torchrun and ranks
     failed, first, second, _ = run_killed_twice(killer, metaflow_env, tmp_path, top, last_step=MAX_STEPS,
-                                                data_root=str(data_root), strategy=strategy, nodes=nodes)
+                                                data_root=str(data_root), strategy=strategy, nodes=NODES)
     logs = failed.stdout + failed.stderr
     # attempt 1 (the @retry) continued from a checkpoint of attempt 0, it did not start over
     assert "Task is starting (retry)" in logs
     assert "resumed from" in logs and f"at step {first}" in logs, logs[-4000:]
     view = client_view(failed.pathspec, metaflow_env, cwd=str(tmp_path))
-    assert view["steps"]["pretrain"] == [False] * nodes  # one task per node
+    assert view["steps"]["pretrain"] == [False] * NODES  # one task per node
 
     resumed = run_flow(metaflow_env, cwd=str(tmp_path), resume=True)  # resume reuses the run's config
     assert resumed.status == "successful", resumed.stderr[-4000:]
@@ -60,7 +63,7 @@ def test_killed_pretrain_retries_then_resumes_to_the_uninterrupted_weights(strat
     summary = view["train_summary"]
     assert second <= summary["resumed_from_step"] < MAX_STEPS, (summary["resumed_from_step"], killer.kills)
     assert summary["steps"] == MAX_STEPS and (summary["world_size"], summary["strategy"]) == \
-        (nodes, strategy)
+        (NODES, strategy)
     assert [h["step"] for h in summary["history"]] == list(range(1, MAX_STEPS + 1))
 
     # the same job, uninterrupted, through the same launcher, on as many ranks (one node)
@@ -70,7 +73,7 @@ def test_killed_pretrain_retries_then_resumes_to_the_uninterrupted_weights(strat
     assert summary["model_url"] == str(run_root / "final")
     job = {"config": json.loads((run_root / "job_config.json").read_text()), "surveys": view["train_stores"],
            "run_root": str(tmp_path / "reference")}
-    launch_node(job, nodes=1, procs_per_node=nodes, node_rank=0, main_addr="127.0.0.1", main_port=free_port())
+    launch_node(job, nodes=1, procs_per_node=NODES, node_rank=0, main_addr="127.0.0.1", main_port=free_port())
     assert_same_run(str(run_root), str(tmp_path / "reference"))  # bit for bit
     registered = registry.verified_files(str(data_root), view["model_name"], view["model_version"])
     reference = final_weights(str(tmp_path / "reference"))

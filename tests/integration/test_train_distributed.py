@@ -24,6 +24,8 @@ from support.training import (assert_close, children, env_of, final_weights, kil
 
 from sfm.train import checkpoint
 
+pytestmark = pytest.mark.long(3)
+
 STEPS, EVERY = 10, 5
 # 32^3 crops of 8^3 patches: 64 tokens; 15 kept (+ cls = 16) divides by cp = 2, so cp leaves the mask ratio as is
 MASK_RATIO = 0.765625

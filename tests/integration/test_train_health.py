@@ -23,6 +23,8 @@ from support.training import final_weights, make_job, make_survey_store
 from sfm.train import checkpoint
 from sfm.train import health
 
+pytestmark = pytest.mark.long(1)
+
 PROJECT = Path(__file__).resolve().parents[2]
 
 

@@ -25,6 +25,8 @@ from sfm import storage
 from sfm.train import checkpoint
 from support.training import assert_same_run, final_weights, kill_tree, make_job, make_survey_store, start_ranks
 
+pytestmark = pytest.mark.long(4)
+
 MAX_STEPS, EVERY = 40, 5
 PROJECT = Path(__file__).resolve().parents[2]
 

@@ -22,6 +22,8 @@ from sfm.errors import SFMError
 from sfm.ops.schedule import schedule_cron, trigger_event
 from sfm.ops.watch import Lease
 
+pytestmark = pytest.mark.long(1)
+
 MODEL = "sfm-mae"
 # keeps the watcher's flow run short: a few steps, a small evaluation, no downstream fine-tuning
 FAST = ["train.max_steps=6", "train.warmup_steps=2", "train.checkpoint_every=6", "eval.crops=8",

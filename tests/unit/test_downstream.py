@@ -17,6 +17,8 @@ from sfm.model import mae_config
 from sfm.model.mae import MaskedAutoencoder3D
 from sfm.model.segmenter import Segmenter
 
+pytestmark = pytest.mark.long(1)
+
 # ---- scores ---------------------------------------------------------------------------------------
 
 
