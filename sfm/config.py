@@ -6,7 +6,6 @@ Every run writes its resolved config (``JobConfig.to_dict()``) next to its outpu
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import json
 import tomllib
@@ -231,6 +230,10 @@ class DistConfig:
         if self.cp < 1:
             raise SFMError(f"dist.cp = {self.cp} must be at least 1")
         one_of("dist.launcher", self.launcher, LAUNCHERS)
+
+    def backend_for(self, cuda: bool) -> str:
+        """The process group's backend: ``backend``, or for ``auto`` nccl on CUDA and gloo on CPU."""
+        return self.backend if self.backend != "auto" else ("nccl" if cuda else "gloo")
 
 
 @dataclass

@@ -139,7 +139,7 @@ def fine_tune(job: dict[str, Any], rank: int = 0, world: int = 1) -> dict[str, A
     return summary
 
 
-def fine_tune_rank(job: dict[str, Any]) -> dict[str, Any]:
+def fine_tune_rank(job: dict[str, Any]) -> dict[str, Any] | None:
     """:func:`fine_tune` as this process's rank of the launch (``RANK``, ``WORLD_SIZE`` from the launcher),
     in the process group it sets up for the job and ends after it."""
     cfg = JobConfig.from_dict(job["config"])
@@ -149,8 +149,8 @@ def fine_tune_rank(job: dict[str, Any]) -> dict[str, Any]:
     if world > 1:
         import torch.distributed as dist
 
-        backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend, timeout=dt.timedelta(seconds=cfg.dist.timeout_s))
+        dist.init_process_group(cfg.dist.backend_for(torch.cuda.is_available()),
+                                timeout=dt.timedelta(seconds=cfg.dist.timeout_s))
     try:
         return fine_tune(job, rank, world)
     finally:

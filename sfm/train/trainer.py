@@ -409,12 +409,12 @@ def train(job: dict[str, Any]) -> TrainSummary | None:
     run_root = job["run_root"]
     cuda = torch.cuda.is_available()
     precision = precision_of(cfg.train, cuda)
-    backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if cuda else "gloo")
     # started by accelerate launch: its ACCELERATE_* settings must be the job's, which the trainer applies
     check_environment(cfg, os.environ, cuda=cuda, precision=precision)
     # under torchrun: one process group over all ranks; run directly: a single process, no group.
     # The timeout bounds every collective: a dead rank fails the others instead of hanging them.
-    group = [InitProcessGroupKwargs(backend=backend, timeout=dt.timedelta(seconds=cfg.dist.timeout_s))]
+    group = [InitProcessGroupKwargs(backend=cfg.dist.backend_for(cuda),
+                                    timeout=dt.timedelta(seconds=cfg.dist.timeout_s))]
     # the local TensorBoard folder goes once its logs are in the run root, or the run has failed
     with tempfile.TemporaryDirectory(prefix="sfm-tb-", ignore_cleanup_errors=True) as tb_dir:
         accelerator = Accelerator(

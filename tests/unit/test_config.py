@@ -134,3 +134,14 @@ def test_deepspeed_strategies_refuse_muon_context_parallelism_and_a_missing_extr
     with pytest.raises(SFMError, match=r"^dist.strategy = deepspeed-zero3 needs DeepSpeed: pip install 'sfm\[deepspeed\]'"):
         pipeline.job_config({}, pipeline.Overrides(strategy="deepspeed-zero3", procs_per_node=2))
     pipeline.job_config({}, pipeline.Overrides(strategy="deepspeed-zero3"))  # one process trains without it
+
+
+def test_the_process_group_backend_is_the_configured_one_or_follows_the_device():
+    """``dist.backend = auto`` (the default): nccl on CUDA, gloo on CPU, for the trainer and the fine-tune ranks
+    alike; a named backend is used as it is."""
+    from sfm.config import JobConfig
+
+    auto = JobConfig.from_toml(None, []).dist
+    assert (auto.backend_for(cuda=True), auto.backend_for(cuda=False)) == ("nccl", "gloo")
+    named = JobConfig.from_toml(None, ["dist.backend=gloo"]).dist
+    assert (named.backend_for(cuda=True), named.backend_for(cuda=False)) == ("gloo", "gloo")
