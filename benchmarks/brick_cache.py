@@ -3,7 +3,7 @@ without normalised bricks kept in memory, side by side in one run.
 
     python benchmarks/brick_cache.py [--config configs/quality_cpu.toml] [--surveys 8] [--steps 300]
 
-Surveys of the configuration's ``[synth] shape`` are generated (sfm.ingest.synth) and ingested with its
+Surveys of the configuration's ``[synth] shape`` are generated (sfm.synth.survey) and ingested with its
 ``[ingest] chunk``. Then, on the configuration's crops, batch size and augmentation:
 
 - the loader alone (sfm.data.crop_dataset, read threads, this process): CPU ms per sample over

@@ -10,7 +10,7 @@ Then ``flows/finetune_flow.py`` runs end to end for every budget (1 and 4 labell
 seed and arm (``--encoder <the version>`` and ``--encoder random``, the same architecture), with the
 evaluation's recipe of the version's config ([finetune] from its [eval]: steps, batch, peak rates of each
 arm, layer decay, validation interval, test-time augmentation). The surveys are generated
-(:func:`sfm.ingest.synth.synth_survey`, the downstream evaluation's FaultSeg3D-like volumes, written as
+(:func:`sfm.synth.survey.synth_survey`, the downstream evaluation's FaultSeg3D-like volumes, written as
 SEG-Y with their fault labels) from the evaluation's seeds: the training surveys of a budget and seed are
 drawn from a pool (``sfm.eval.labelled.budget_volumes``), early stopping scores separate validation
 surveys, and every run is scored on the same held-out test surveys; no seed meets a pretraining survey's.
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def generate(folder: Path, count: int, first_seed: int, shape: tuple[int, int, int], tag: str) -> list[tuple[str, str]]:
     """``count`` labelled surveys (SEG-Y, fault labels .npy) of seeds ``first_seed`` on, written once."""
-    from sfm.ingest.synth import fault_labels_path, synth_survey
+    from sfm.synth.survey import fault_labels_path, synth_survey
 
     out = []
     for k in range(count):

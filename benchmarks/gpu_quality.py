@@ -88,7 +88,7 @@ def make_survey(args: tuple[str, int, tuple[int, int, int]]) -> None:
     import numpy as np
 
     from sfm.eval.labelled import normalise
-    from sfm.ingest.geology import synthesize_volume
+    from sfm.synth.geology import synthesize_volume
 
     folder, seed, shape = args
     path = survey_file(folder, seed)

@@ -8,7 +8,7 @@ Figures (the last line printed is one JSON object with all of them):
 - floor: the larger of (a1) the time to read every trace of the file with segyio alone and (a2) the
   time to encode the same samples, as the store's 128^3 float32 bricks, with the store's codec on
   all cores, called as ingest calls it (``numcodecs.Blosc.encode`` with glibc keeping freed memory,
-  ``sfm.ingest.zarr_writer.keep_freed_memory``, as in ingest's process);
+  ``sfm.formats.zarr_writer.keep_freed_memory``, as in ingest's process);
 - ingest: ``sfm.ingest.survey.ingest_survey`` of the same file into a fresh data root (a child process;
   the time ingest_survey reports, from opening the file to the published manifest row);
   goal floor / ingest >= 0.8;
@@ -54,8 +54,8 @@ import numpy as np
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
-from sfm.ingest.geology import synthesize_volume  # noqa: E402
-from sfm.ingest.synth import SegyOptions, write_segy  # noqa: E402
+from sfm.synth.geology import synthesize_volume  # noqa: E402
+from sfm.synth.survey import SegyOptions, write_segy  # noqa: E402
 
 BUCKET = "bench"  # the rclone serve s3 bucket the S3 section reads from
 TILE = (32, 512, 1024)  # inlines x crosslines x samples of one generated tile (64 MiB of float32)
@@ -65,7 +65,7 @@ BRICK = 128
 def generate_segy(path: Path, gigabytes: float, seed: int = 0) -> dict:
     """A post-stack SEG-Y (IEEE float, big-endian, inline-sorted) of about ``gigabytes`` GB.
 
-    One synthetic tile (sfm.ingest.synth geology, faults, wavelet) is written with sfm.ingest.synth.write_segy,
+    One synthetic tile (sfm.synth.survey geology, faults, wavelet) is written with sfm.synth.survey.write_segy,
     then repeated along the inline axis with fresh noise and a sample shift per copy, so every
     trace differs and the codec sees realistic data. Memory stays at a few tiles.
     """
@@ -127,8 +127,8 @@ def encode_all_cores(path: str, shape: list[int], codec: str) -> tuple[float, fl
     """
     import numcodecs
 
-    from sfm.ingest.options import codec_spec
-    from sfm.ingest.zarr_writer import keep_freed_memory
+    from sfm.formats.store_layout import codec_spec
+    from sfm.formats.zarr_writer import keep_freed_memory
 
     ni, nx, ns = shape
     record = np.dtype([("header", np.uint8, (240,)), ("data", ">f4", (ns,))])
@@ -530,7 +530,7 @@ def main() -> None:
     parser.add_argument("--parts", default="1,2,4", help="part counts the parts section measures")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
-    from sfm.ingest.options import DEFAULT_CODEC
+    from sfm.formats.store_layout import DEFAULT_CODEC
 
     codec = args.codec or DEFAULT_CODEC
     load_before = os.getloadavg()

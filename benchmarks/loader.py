@@ -2,7 +2,7 @@
 
     python benchmarks/loader.py [--shape 640 640 384] [--batch 16] [--train-steps 300] [--seeds 2]
 
-One synthetic survey (sfm.ingest.synth) is ingested three times (float32, float16, int8 stores; 128^3
+One synthetic survey (sfm.synth.survey) is ingested three times (float32, float16, int8 stores; 128^3
 bricks, the ingest default) onto ``rclone serve s3`` on loopback. Each configuration then streams
 batches of 128^3 crops in this process (sfm.data.loader, read threads, no worker processes) for a
 steady-state window after a warm-up of one whole lane cycle, and reports per sample: S3 MB and GETs
@@ -184,7 +184,7 @@ def statistical_check(workdir: Path, args) -> dict:
     from sfm import data
     from sfm.config import DataConfig
     from sfm.ingest import survey as ingest
-    from sfm.ingest.synth import synth_survey
+    from sfm.synth.survey import synth_survey
     from sfm.model.presets import mae_config
 
     crop = (32, 32, 32)

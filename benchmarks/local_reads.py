@@ -4,7 +4,7 @@ zarr's own local reads (its event loop, a thread per read), side by side in one 
 
     python benchmarks/local_reads.py [--surveys 8] [--shape 128 128 256] [--batches 150] [--rounds 3]
 
-``--surveys`` synthetic surveys (sfm.ingest.synth) are ingested by ``sfm ingest`` into a temporary data
+``--surveys`` synthetic surveys (sfm.synth.survey) are ingested by ``sfm ingest`` into a temporary data
 root with the bricks and codec of ``configs/quality_cpu.toml``; both loaders then stream that
 configuration's batches (its crop, batch size and augmentations; read threads, no worker processes)
 for ``--batches`` batches after a warm-up, alternating over ``--rounds`` rounds (medians), so that

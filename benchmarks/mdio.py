@@ -3,7 +3,7 @@ of the same survey, in one run.
 
     python benchmarks/mdio.py [--shape 320 320 256] [--batch 8]
 
-One synthetic survey (sfm.ingest.synth) is written as SEG-Y, converted by the real MDIO library (multidimio
+One synthetic survey (sfm.synth.survey) is written as SEG-Y, converted by the real MDIO library (multidimio
 1.1.3 in its own environment, tests/support/mdio_env.py; MDIO's 128^3 chunks, Blosc zstd 5) and ingested by
 sfm (float32, 128^3 bricks in shards), both onto ``rclone serve s3`` on loopback. Then:
 

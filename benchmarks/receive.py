@@ -213,7 +213,7 @@ def receive_cost(endpoint_url: str, store_url: str, connections: int = 8, min_by
 def rclone_with_survey(workdir: Path, shape) -> tuple:
     """A synthetic survey of ``shape`` written as SEG-Y in ``workdir``, and ``rclone serve s3`` started
     there on loopback with a bucket "bench", this process pointed at it: (server, SEG-Y path)."""
-    from sfm.ingest.synth import synth_survey
+    from sfm.synth.survey import synth_survey
     from sfm.storage.clients import boto_client
 
     segy = str(workdir / "bench.sgy")

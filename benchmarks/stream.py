@@ -2,7 +2,7 @@
 
     python benchmarks/stream.py [--shape 256 256 256] [--batch 8] [--batches 12] [--rounds 3] [--codec zstd:1]
 
-One synthetic survey (sfm.ingest.synth) is ingested by sfm.ingest.survey into a temporary data root on each of two
+One synthetic survey (sfm.synth.survey) is ingested by sfm.ingest.survey into a temporary data root on each of two
 S3 servers started here on loopback: ``moto_server`` (Python, in memory) and ``rclone serve s3``
 (Go, disk-backed; answers ranged GETs with 200, which obstore refuses), with 128^3 bricks (the
 ingest default) and, for the bytes-per-request comparison, 64^3 bricks. For each server:
@@ -480,7 +480,7 @@ def main() -> int:
     parser.add_argument("--codec", default=IngestConfig.codec, help="Blosc codec of the stores, cname[:clevel]")
     args = parser.parse_args()
 
-    from sfm.ingest.synth import synth_survey
+    from sfm.synth.survey import synth_survey
 
     workdir = Path(tempfile.mkdtemp(prefix="sfm-bench-stream-"))
     servers = []

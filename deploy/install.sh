@@ -47,7 +47,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 if [[ -d $source ]]; then
-    # build from a copy of what the wheel is made of (sfm's links to flows/ and data_contracts/ followed),
+    # build from a copy of what the wheel is made of (sfm's link to flows/ followed),
     # so a stale build/ or egg-info in the checkout cannot leak into the wheel
     mkdir "$work/src"
     cp -L "$source/pyproject.toml" "$source/README.md" "$work/src/"

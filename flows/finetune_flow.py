@@ -78,16 +78,17 @@ class FinetuneFlow(FlowSpec):
     def ingest(self):
         """Every survey and its labels published (those published before are found, not copied)."""
         from sfm.config import JobConfig
-        from sfm.finetune import run
+        from sfm.ingest.labels import ingest_pairs
 
         with user_errors():
-            self.pairs = run.ingest_pairs(self.plan, self.root, JobConfig.from_dict(self.job_config))
+            self.pairs = ingest_pairs(self.plan, self.root, JobConfig.from_dict(self.job_config).ingest)
         self.next(self.launch)
 
     @step
     def launch(self):
         """The job every rank reads; fan out to the nodes (Metaflow needs a step before a @parallel split)."""
-        from sfm import pipeline, storage
+        from sfm import storage
+        from sfm.ops import pipeline
         from sfm.config import JobConfig
         from sfm.finetune import run
 

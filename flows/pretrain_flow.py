@@ -11,7 +11,7 @@
                                                            # config's FSDP2, precision and sizes mapped at start
     python flows/pretrain_flow.py resume                   # after a failure: training continues from its checkpoint
 
-Each step calls one function of ``sfm.pipeline`` and keeps only small artifacts (URLs, ids, metrics).
+Each step calls one function of ``sfm.ops.pipeline`` and keeps only small artifacts (URLs, ids, metrics).
 """
 
 import tomllib
@@ -75,7 +75,8 @@ class PretrainFlow(FlowSpec):
 
     @step
     def start(self):
-        from sfm import pipeline, storage
+        from sfm import storage
+        from sfm.ops import pipeline
         from sfm.config import JobConfig
 
         with user_errors():
@@ -98,7 +99,7 @@ class PretrainFlow(FlowSpec):
     @step
     def scan(self):
         """Digest and header fields of one part (whole 4 GiB pieces) of one survey."""
-        from sfm import pipeline
+        from sfm.ops import pipeline
         from sfm.config import JobConfig
 
         with user_errors():
@@ -108,7 +109,7 @@ class PretrainFlow(FlowSpec):
     @step
     def plan_ingest(self, inputs):
         """Each survey's identity, geometry and store arrays; its parts fan out to the write tasks."""
-        from sfm import pipeline
+        from sfm.ops import pipeline
         from sfm.config import JobConfig
 
         self.merge_artifacts(inputs, include=["job", "root", "run_key"])
@@ -125,7 +126,7 @@ class PretrainFlow(FlowSpec):
     @step
     def ingest(self):
         """The shards of one part (whole shard rows) of one survey."""
-        from sfm import pipeline
+        from sfm.ops import pipeline
         from sfm.config import JobConfig
 
         with user_errors():
@@ -136,8 +137,8 @@ class PretrainFlow(FlowSpec):
 
     @step
     def join(self, inputs):
-        from sfm import pipeline
-        from sfm.ingest import manifest
+        from sfm.ops import pipeline
+        from sfm.formats import manifest
 
         self.merge_artifacts(inputs, include=["job", "root", "run_key"])
         with user_errors():
@@ -166,7 +167,7 @@ class PretrainFlow(FlowSpec):
     @kubernetes_placement  # on Kubernetes: [cluster] instance type, tolerations, image, EFA devices
     @step
     def pretrain(self):
-        from sfm import pipeline
+        from sfm.ops import pipeline
         from sfm.config import JobConfig
 
         self.run_root = pipeline.run_root(self.root, current.flow_name, self.run_key)  # checkpoints, model, summary
@@ -183,7 +184,7 @@ class PretrainFlow(FlowSpec):
     def evaluate(self, inputs):
         """Held-out reconstruction against the baselines, the downstream evaluation (fine-tuned fault
         segmentation, pretrained vs random init), and the card (loss curve, slices, label efficiency, tables)."""
-        from sfm import pipeline
+        from sfm.ops import pipeline
         from sfm.eval.card import evaluation_components
         from sfm.config import JobConfig
 
@@ -202,7 +203,7 @@ class PretrainFlow(FlowSpec):
     def register(self):
         from metaflow import Run
 
-        from sfm import pipeline
+        from sfm.ops import pipeline
         from sfm.config import JobConfig
 
         pathspec = f"{current.flow_name}/{current.run_id}"
@@ -217,7 +218,7 @@ class PretrainFlow(FlowSpec):
 
     @step
     def end(self):
-        from sfm import pipeline
+        from sfm.ops import pipeline
         from sfm.config import JobConfig
 
         for line in pipeline.closing_lines(self.train_summary, self.metrics, JobConfig.from_dict(self.job), self.root,

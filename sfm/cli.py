@@ -15,7 +15,7 @@ from sfm.errors import SFMError
 
 
 def _cmd_synth(args: argparse.Namespace) -> None:
-    from sfm.ingest.synth import synth_survey
+    from sfm.synth.survey import synth_survey
 
     result = synth_survey(
         args.out,
@@ -192,7 +192,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _job_config(args: argparse.Namespace):
     """The job of `sfm train` / `sfm slurm-script`: the TOML config, the overrides and flags on top, then the
     Accelerate config it names mapped onto it (a conflict is refused here, before anything starts)."""
-    from sfm import pipeline
+    from sfm.ops import pipeline
     from sfm.config import JobConfig
 
     return pipeline.with_overrides(JobConfig.from_toml(args.config or None, args.overrides), pipeline.Overrides(

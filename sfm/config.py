@@ -50,7 +50,7 @@ class IngestConfig:
     # MDIO sources (read in place, never copied): GB of amplitude chunks the statistics read; a larger
     # store is measured over evenly spaced chunk columns up to this much (the fraction is recorded)
     mdio_stats_gb: float = 4.0
-    # "sfm", or "mdio": the same store plus what MDIO 1.1.3's tools read and export (sfm.ingest.mdio_layout)
+    # "sfm", or "mdio": the same store plus what MDIO 1.1.3's tools read and export (sfm.formats.mdio_layout)
     layout: str = "sfm"
     domain: str = "time"  # the sample axis: time (ms) or depth (m); names it in the mdio layout
 
@@ -343,7 +343,7 @@ class FinetuneConfig:
 
 @dataclass
 class SynthConfig:
-    """The surveys generated into <data-root>/landing when a run names none (sfm.ingest.synth)."""
+    """The surveys generated into <data-root>/landing when a run names none (sfm.synth.survey)."""
 
     train_surveys: int = 2
     held_out_surveys: int = 1

@@ -166,7 +166,7 @@ def read_survey_info(store_url: str, store=None, client: str = "auto", retry_sec
     except Exception as err:
         raise SFMError(f"cannot open survey store {store_url}: {type(err).__name__}: {err}; check the URL, the "
                        "S3 endpoint and credentials") from err
-    from sfm.ingest.contracts import read_store_attrs
+    from sfm.formats.contracts import read_store_attrs
 
     read_store_attrs(attrs, f"survey store {store_url}")  # the survey_store contract, checked on read
     stats = attrs.get("stats")

@@ -23,21 +23,9 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-SCALE = 4  # screen pixels per voxel in the slice images
+from sfm.finetune.card import colorize
+
 SLICES = ("inline", "crossline", "time")
-
-
-def colorize(values: np.ndarray, clip: float, hidden: np.ndarray | None = None) -> Image.Image:
-    """A 2D array [rows, cols] as a blue-white-red image (symmetric ``clip``); ``hidden`` voxels grey."""
-    v = np.clip(np.nan_to_num(values) / max(clip, 1e-12), -1.0, 1.0)
-    red = np.where(v > 0, 1.0, 1.0 + v)
-    green = 1.0 - np.abs(v)
-    blue = np.where(v < 0, 1.0, 1.0 - v)
-    rgb = np.stack([red, green, blue], axis=-1)
-    if hidden is not None:
-        rgb[hidden] = 0.55
-    img = Image.fromarray((rgb * 255).round().astype(np.uint8), mode="RGB")
-    return img.resize((img.width * SCALE, img.height * SCALE), Image.NEAREST)
 
 
 def slices(volume: np.ndarray) -> dict[str, np.ndarray]:
@@ -236,4 +224,4 @@ def evaluation_components(model_url: str, held_out_stores: list[str], train_summ
 
 
 __all__ = ["evaluation_components", "loss_curve", "reconstruction_panels", "label_efficiency_plot", "fault_panels",
-           "downstream_table", "colorize", "slices"]
+           "downstream_table", "slices"]

@@ -5,7 +5,7 @@ UNETR, the Seismic Foundation Model of Sheng et al.): fine-tune the pretrained e
 architecture from random initialisation on a few labelled volumes, score both on held-out volumes,
 and report the gain. Gains are largest with the fewest labels, so the budgets are small (1, 4, 16).
 
-Data: FaultSeg3D-like labelled volumes from :func:`sfm.ingest.geology.synthesize_volume`, normalised the way
+Data: FaultSeg3D-like labelled volumes from :func:`sfm.synth.geology.synthesize_volume`, normalised the way
 the training sampler normalises a survey (clipped to the 0.1/99.9 percentiles, standardised). Seeds
 come from :data:`sfm.eval.labelled.LABELLED_SEED` on, far from any survey seed generated for pretraining;
 the test volumes' seeds are disjoint from the labelled pool's. Any other source of labelled volumes
@@ -54,10 +54,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from sfm.config import FinetuneConfig
-from sfm.eval.fault_scores import average_precision, scores
-from sfm.eval.labelled import (Held, Volume, budget_volumes, cut, evaluation_pool, evaluation_test,
-                               evaluation_validation, random_crops, split_for_validation, tiles, whole)
-from sfm.eval.volume_predict import predict
+from sfm.finetune.fault_scores import average_precision, scores
+from sfm.eval.labelled import (Held, Volume, budget_volumes, evaluation_pool, evaluation_test,
+                               evaluation_validation, random_crops, split_for_validation, whole)
+from sfm.predict.volume_predict import cut, predict, tiles
 from sfm.finetune.loop import balanced_bce, reporting, train_steps
 from sfm.model.segmenter import Segmenter
 from sfm.progress import Progress

@@ -1,10 +1,9 @@
 """Labelled volumes for the downstream evaluation (sfm.eval.downstream): generated, normalised, cut.
 
-- :func:`labelled_volumes`: FaultSeg3D-like volumes from :func:`sfm.ingest.geology.synthesize_volume`,
+- :func:`labelled_volumes`: FaultSeg3D-like volumes from :func:`sfm.synth.geology.synthesize_volume`,
   normalised the way the training sampler normalises a survey; the pool's seeds and the test seeds are
   disjoint, and far from every survey seed the pipeline generates for pretraining.
 - :func:`random_crops`: fine-tuning batches with flips, inline/crossline swap, polarity inversion and time reversal.
-- :func:`tiles` / :func:`cut`: the crops that cover a whole volume, for prediction.
 - :func:`split_for_validation`: the held-out inlines early stopping scores, inside the label budget.
 - :func:`evaluation_validation` / :func:`whole`: separate labelled volumes early stopping scores instead.
 - :func:`budget_volumes`: the volumes of one run's label budget.
@@ -18,11 +17,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from sfm.synth.geology import Volume
+
 LABELLED_SEED = 1_000_000  # labelled pool: seeds LABELLED_SEED, +1, ...; pretraining surveys use small seeds
 TEST_SEED = 2_000_000  # held-out test volumes: TEST_SEED, +1, ...
 VALIDATION_SEED = 3_000_000  # early-stopping volumes: VALIDATION_SEED, +1, ... (neither pool nor test)
 REFERENCE_SEED = 4_000_000  # a supervised reference encoder's training volumes (benchmarks/quality.py)
-Volume = tuple[np.ndarray, np.ndarray]  # amplitude float32 [IL, XL, NS] normalised, faults uint8 [IL, XL, NS]
 
 
 def normalise(amplitude: np.ndarray) -> np.ndarray:
@@ -34,7 +34,7 @@ def normalise(amplitude: np.ndarray) -> np.ndarray:
 
 def labelled_volumes(count: int, shape: Sequence[int], first_seed: int) -> list[Volume]:
     """``count`` generated volumes (seeds ``first_seed`` ...): (normalised amplitude, fault labels)."""
-    from sfm.ingest.geology import synthesize_volume
+    from sfm.synth.geology import synthesize_volume
 
     out = []
     for k in range(count):
@@ -70,28 +70,6 @@ def random_crops(volumes: list[Volume], crop: Sequence[int], count: int, rng: np
         if invert:
             imgs[n] = -imgs[n]
     return torch.from_numpy(np.stack(imgs))[:, None], torch.from_numpy(np.stack(labels).astype(np.float32))
-
-
-def tile_origins(n: int, c: int, step: int | None = None) -> list[int]:
-    """Crop origins along an axis of ``n`` voxels: every ``step`` (default ``c``: no overlap), plus one flush
-    with the end if needed."""
-    if n < c:
-        raise ValueError(f"a labelled volume axis of {n} voxels is smaller than the model's crop of {c}")
-    origins = list(range(0, n - c + 1, step or c))
-    return origins if origins[-1] + c == n else origins + [n - c]
-
-
-def tiles(shape: Sequence[int], crop: Sequence[int], overlap: bool = False) -> list[tuple[int, int, int]]:
-    """Origins of the crops that cover a volume of ``shape``: overlapping only at the far ends, or with
-    ``overlap`` every half crop (sliding windows, so every voxel is seen from several contexts)."""
-    axes = [tile_origins(n, c, max(1, c // 2) if overlap else None) for n, c in zip(shape, crop)]
-    return [(i, j, k) for i in axes[0] for j in axes[1] for k in axes[2]]
-
-
-def cut(volume: np.ndarray, origins: list[tuple[int, int, int]], crop: Sequence[int]) -> torch.Tensor:
-    """The crops of ``volume`` [IL, XL, NS] at ``origins`` -> [M, 1, D, H, W] float32."""
-    d, h, w = crop
-    return torch.from_numpy(np.stack([volume[i:i + d, j:j + h, k:k + w] for i, j, k in origins]))[:, None].float()
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """The fine-tune flow's Metaflow card: the held-out scores, and a labelled line of the held-out survey with
-its amplitude, its labels and the task model's prediction (drawn with Pillow, as sfm.eval.card draws)."""
+its amplitude, its labels and the task model's prediction, drawn with Pillow (no plotting library): a 2D slice as a
+blue-white-red image (:func:`colorize`), an RGB array as an image (:func:`picture`), both enlarged ``SCALE`` times with
+square pixels; the evaluation's card (sfm.eval.card) draws with them too."""
 
 from __future__ import annotations
 
@@ -9,7 +11,28 @@ import numpy as np
 from PIL import Image
 
 from sfm.config import LABEL_IGNORE
-from sfm.eval.card import SCALE, colorize
+
+SCALE = 4  # screen pixels per voxel in the slice images
+
+
+def colorize(values: np.ndarray, clip: float, hidden: np.ndarray | None = None) -> Image.Image:
+    """A 2D array [rows, cols] as a blue-white-red image (symmetric ``clip``); ``hidden`` voxels grey."""
+    v = np.clip(np.nan_to_num(values) / max(clip, 1e-12), -1.0, 1.0)
+    red = np.where(v > 0, 1.0, 1.0 + v)
+    green = 1.0 - np.abs(v)
+    blue = np.where(v < 0, 1.0, 1.0 - v)
+    rgb = np.stack([red, green, blue], axis=-1)
+    if hidden is not None:
+        rgb[hidden] = 0.55
+    img = Image.fromarray((rgb * 255).round().astype(np.uint8), mode="RGB")
+    return img.resize((img.width * SCALE, img.height * SCALE), Image.NEAREST)
+
+
+def picture(rgb: np.ndarray) -> Image.Image:
+    """An RGB array [rows, cols, 3] of values in 0..1 as an image, enlarged as :func:`colorize` enlarges."""
+    img = Image.fromarray((np.clip(rgb, 0, 1) * 255).round().astype(np.uint8), mode="RGB")
+    return img.resize((img.width * SCALE, img.height * SCALE), Image.NEAREST)
+
 
 PALETTE = np.array([(0.15, 0.15, 0.15), (0.95, 0.15, 0.1), (0.1, 0.45, 0.95), (0.1, 0.75, 0.2), (0.95, 0.75, 0.1),
                     (0.7, 0.2, 0.8), (0.1, 0.8, 0.8), (0.6, 0.4, 0.2)])  # class k: PALETTE[k % 8]
@@ -20,11 +43,6 @@ def section(volume: np.ndarray, axis: int, index: int) -> np.ndarray:
     """Line ``index`` along ``axis`` of [IL, XL, NS] (or of [C, IL, XL, NS]) with time down: [NS, n] or [C, NS, n]."""
     plane = np.take(volume, index, axis=axis + volume.ndim - 3)
     return np.swapaxes(plane, -1, -2)
-
-
-def picture(rgb: np.ndarray) -> Image.Image:
-    img = Image.fromarray((np.clip(rgb, 0, 1) * 255).round().astype(np.uint8), mode="RGB")
-    return img.resize((img.width * SCALE, img.height * SCALE), Image.NEAREST)  # as colorize draws
 
 
 def classes_image(classes: np.ndarray) -> Image.Image:

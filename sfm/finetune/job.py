@@ -72,7 +72,7 @@ class Validation:
         self.parts = [surveys.read_part(p) for p in split.validation]
 
     def __call__(self, net: Segmenter) -> float:
-        from sfm.eval.volume_predict import predict
+        from sfm.predict.volume_predict import predict
 
         return validation_score([predict(net, a) for a, _ in self.parts], [lab for _, lab in self.parts])
 

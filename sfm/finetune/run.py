@@ -2,7 +2,7 @@
 
     encoder = resolve_encoder("champion", data_root, cfg)      # start: the weights, or random
     pairs = plan_pairs(surveys, labels, held_out, ...)          # start: every survey with its labels and role
-    pairs = ingest_pairs(pairs, data_root, cfg)                  # ingest: surveys and labels published
+    pairs = ingest_pairs(pairs, data_root, cfg.ingest)          # ingest: sfm.ingest.labels, surveys and labels published
     job = node_job(cfg, pairs, encoder, task, run_root)          # launch
     summary = finetune_node(job, nodes, node_index, ...)        # finetune: 1..N ranks (sfm.finetune.job)
     metrics, figures = evaluate(job, summary)                   # evaluate: held-out AP, F1, IoU; the card
@@ -18,15 +18,7 @@ from sfm import storage
 from sfm.model import registry
 from sfm.config import JobConfig
 from sfm.errors import SFMError
-from sfm.ingest import manifest
-
-HEX = set("0123456789abcdef")
-
-
-def is_id(text: str) -> bool:
-    """A survey or label id: 16 hex digits (what the manifest names them by)."""
-    return len(text) == 16 and set(text) <= HEX
-
+from sfm.formats import manifest
 
 def resolve_encoder(encoder: str, data_root: str, cfg: JobConfig) -> dict[str, Any]:
     """What ``--encoder`` names: ``random`` (the config's architecture, randomly initialised: the baseline),
@@ -83,47 +75,6 @@ def held_out_fraction(held_out: str) -> float | None:
     return value
 
 
-def survey_store(survey: str, data_root: str, cfg: JobConfig) -> dict[str, Any]:
-    """The manifest row of ``survey``: a published survey id, a survey store URL, or a source to ingest."""
-    from sfm.ingest.survey import ingest_survey
-
-    if is_id(survey):
-        row = manifest.get_row(data_root, survey)
-        if row is None:
-            raise SFMError(f"survey {survey} is not published in {data_root}; ingest it or name its SEG-Y")
-        return row
-    if survey.rstrip("/").endswith(".zarr"):
-        from sfm.ingest.contracts import read_store_attrs
-
-        row = manifest.get_row(data_root, read_store_attrs(storage.normalize(survey))["survey_id"])
-        if row is None:
-            raise SFMError(f"survey store {survey} is not published in {data_root}; name its SEG-Y to ingest it")
-        return row
-    return ingest_survey(survey, data_root, cfg.ingest)
-
-
-def ingest_pairs(pairs: list[dict[str, str]], data_root: str, cfg: JobConfig) -> list[dict[str, Any]]:
-    """Publish every survey and its labels (sources already published are found, not copied again);
-    returns the pairs with their store URLs and ids."""
-    from sfm.ingest.labels import ingest_labels
-
-    out = []
-    for pair in pairs:
-        row = survey_store(pair["survey"], data_root, cfg)
-        if is_id(pair["labels"]):
-            labels = manifest.get_label_row(data_root, pair["labels"])
-            if labels is None or labels["survey_id"] != row["survey_id"]:
-                raise SFMError(f"label set {pair['labels']} is not published for survey {row['survey_id']} in "
-                               f"{data_root}; ingest it with `sfm ingest-labels`")
-        else:
-            labels = ingest_labels(pair["labels"], row["survey_id"], data_root)
-        print(f"sfm finetune: {pair['role']}: {row['name']} with labels {labels['name']} ({labels['labelled_voxels']} "
-              f"labelled voxels on {labels['labelled_inlines']} inlines)")
-        out.append({**pair, "store_url": row["store_url"], "label_url": labels["store_url"],
-                    "survey_id": row["survey_id"], "label_id": labels["label_id"], "name": labels["name"]})
-    return out
-
-
 def node_job(cfg: JobConfig, pairs: list[dict[str, Any]], encoder: dict[str, Any], task: str,
              run_root: str) -> dict[str, Any]:
     """The job file every rank reads (:mod:`sfm.finetune.job`), after checking the task."""
@@ -156,7 +107,7 @@ def evaluate(job: dict[str, Any], summary: dict[str, Any]) -> tuple[dict[str, An
     """The task model's scores on the held-out labels (:func:`sfm.finetune.scores.held_out_scores`; a binary
     task's threshold chosen on the validation labels), and the figures of the card: the first held-out
     part's amplitude, labels and prediction."""
-    from sfm.eval.volume_predict import predict
+    from sfm.predict.volume_predict import predict
     from sfm.finetune.samples import LabelledSurveys, finetune_data, split_roles
     from sfm.finetune.scores import held_out_scores, threshold_of
     from sfm.model.segmenter import load_segmenter
@@ -187,13 +138,12 @@ def register(data_root: str, name: str, job: dict[str, Any], summary: dict[str, 
              run_pathspec: str) -> dict[str, Any]:
     """Register the task model as ``sfm-<name>`` with lineage to its encoder and label sets and its held-out
     scores; the champion is the version with the best held-out AP (by ``[registry] margin``)."""
-    from sfm.pipeline import code_version
-
+    
     cfg = JobConfig.from_dict(job["config"])
     model_name = f"sfm-{name}"
     roles = job["roles"]
     lineage = {"run_pathspec": run_pathspec, "manifest_version": manifest.version(data_root),
-               "code_version": code_version(), "task": job["task"], "encoder": job["lineage"]["encoder"],
+               "code_version": registry.code_version(), "task": job["task"], "encoder": job["lineage"]["encoder"],
                "encoder_url": job["encoder_url"],
                "surveys": [s for (s, _), r in zip(job["pairs"], roles) if r == "train"],
                "held_out_surveys": [s for (s, _), r in zip(job["pairs"], roles) if r == "test"],

@@ -25,7 +25,7 @@ from sfm.data.crop_reader import CropReader
 from sfm.data.crops import Crop, CropPlan
 from sfm.data.survey import Surveys
 from sfm.errors import SFMError
-from sfm.ingest.labels import open_labels
+from sfm.formats.label_store import open_labels
 
 IN_MEMORY_BYTES = 256 << 20  # label stores up to this size are read once and kept in memory
 

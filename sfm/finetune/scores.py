@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from sfm.config import LABEL_IGNORE
-from sfm.eval.fault_scores import average_precision, best_threshold, f1_iou
+from sfm.finetune.fault_scores import average_precision, best_threshold, f1_iou
 
 
 def labelled(probs: list[np.ndarray], labels: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -1,5 +1,4 @@
-"""SEG-Y to survey stores: reading SEG-Y (:mod:`.segy`), ingesting one survey in one task (:mod:`.survey`) or in
-parts (:mod:`.parts`, whose steps the one task runs), writing the Zarr store (:mod:`.cube_writer`,
-:mod:`.zarr_writer`), publishing it in the manifest (:mod:`.manifest`), MDIO stores registered in place
-(:mod:`.mdio_register`), the stores' contracts (:mod:`.contracts`) and synthetic surveys for demos and tests
-(:mod:`.synth`)."""
+"""SEG-Y (or MDIO) to published survey stores, as steps: plan, write parts, publish (:mod:`.parts`), one survey in
+one task (:mod:`.survey`), the cube's bricks (:mod:`.cube_writer`), MDIO stores registered in place
+(:mod:`.mdio_source`, :mod:`.mdio_register`) and label volumes aligned with a survey (:mod:`.labels`,
+:mod:`.label_sources`). The formats these steps read and write are :mod:`sfm.formats`."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -21,21 +22,28 @@ import numpy as np
 
 from sfm import storage
 from sfm.config import IngestConfig
-from sfm.ingest.contracts import validate
+from sfm.formats.contracts import validate
 from sfm.errors import SFMError
 from sfm.progress import Progress
-from sfm.ingest.segy import SegyLayout
-from sfm.ingest.segy_geometry import SurveyGeometry, cdp_coordinates
-from sfm.ingest import mdio_layout
-from sfm.ingest.moments import Moments
-from sfm.ingest.zarr_writer import GroupWriter
-from sfm.ingest.segy_traces import TraceReader
-from sfm.ingest.options import (AMPLITUDE_CODEC, FLOAT16_MAX, INT8_MAX, PERCENTILE_TRACES,
-                                SHARD_BYTES, TRANSFORM_TRACES, codec_spec, ingest_threads)
+from sfm.formats.segy import SegyLayout
+from sfm.formats.segy_geometry import SurveyGeometry, cdp_coordinates
+from sfm.formats import mdio_layout
+from sfm.formats.moments import Moments
+from sfm.formats.zarr_writer import GroupWriter
+from sfm.formats.segy_traces import TraceReader
+from sfm.formats.store_layout import (AMPLITUDE_CODEC, FLOAT16_MAX, INT8_MAX, PERCENTILE_TRACES, SHARD_BYTES,
+                                      TRANSFORM_TRACES, codec_spec)
 
 
 # ------------------------------------------------------------------------------------------------
 # the store
+
+
+def ingest_threads(cfg: IngestConfig, remote: bool = False) -> int:
+    """Threads to use. Writing a local store is CPU work (page-cache copies), so one thread per core
+    (more only thrash the caches, BENCHMARKS.md "Ingest"); PUTs to S3 wait on the network, so two
+    more threads keep the cores busy meanwhile."""
+    return int(cfg.workers) or min(16, (os.cpu_count() or 1) + (2 if remote else 0))
 
 
 @dataclass
@@ -51,7 +59,7 @@ class StorePlan:
     offset: float = 0.0  # float16 and int8: amplitude = stored * scale + offset
     scale: float = 1.0
     hole: float = 0.0  # the stored value of a missing trace (decodes to exactly 0)
-    layout: str = "sfm"  # "mdio": with MDIO's arrays and attributes too (sfm.ingest.mdio_layout)
+    layout: str = "sfm"  # "mdio": with MDIO's arrays and attributes too (sfm.formats.mdio_layout)
     domain: str = "time"  # the sample axis (named so in the mdio layout)
 
     def to_dict(self) -> dict[str, Any]:

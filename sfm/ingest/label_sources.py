@@ -51,8 +51,8 @@ def survey_grid(survey: str, data_root: str = "") -> SurveyGrid:
     """The grid of ``survey``: a survey id published in ``data_root``'s manifest, or a survey store URL."""
     import zarr
 
-    from sfm.ingest import manifest
-    from sfm.ingest.contracts import read_store_attrs
+    from sfm.formats import manifest
+    from sfm.formats.contracts import read_store_attrs
 
     url = survey
     if data_root and len(survey) == 16 and all(c in "0123456789abcdef" for c in survey):
@@ -151,7 +151,7 @@ class SegyLabels:
     kind, variable = "segy", ""
 
     def __init__(self, url: str, grid: SurveyGrid):
-        from sfm.ingest.segy import DELAY_FIELD, read_layout, scan_file
+        from sfm.formats.segy import DELAY_FIELD, read_layout, scan_file
 
         self.url = url
         self.layout = read_layout(url)
@@ -195,7 +195,7 @@ class SegyLabels:
         return index.astype(np.int32)
 
     def block(self, i0: int, i1: int) -> tuple[np.ndarray, np.ndarray]:
-        from sfm.ingest.segy_traces import TraceReader
+        from sfm.formats.segy_traces import TraceReader
 
         values = np.zeros((i1 - i0, self.xls, self.layout.samples), np.float32)
         present = np.zeros((i1 - i0, self.xls), bool)
@@ -214,7 +214,7 @@ class SegyLabels:
 def open_source(url: str, grid: SurveyGrid, variable: str = ""):
     """The label source at ``url`` (SEG-Y by its suffix or its header, ``.npy``, else a Zarr/MDIO store),
     checked against ``grid``."""
-    from sfm.ingest.segy import BINARY_HEADER_BYTES, TEXT_HEADER_BYTES, layout_from_header
+    from sfm.formats.segy import BINARY_HEADER_BYTES, TEXT_HEADER_BYTES, layout_from_header
 
     url = storage.normalize(url).rstrip("/")
     lower = url.lower()

@@ -16,8 +16,8 @@ Two passes over the source, in bounded memory (a run of inlines at a time):
    labels, so the same labels of one survey are one label set whatever file they came from;
 2. unless that label set is published already, the store is written at ``<data-root>/labels/<label_id>.zarr``
    (``labels`` uint8 [inline, crossline, sample] chunked like the survey's bricks, ``label_mask`` [inline,
-   crossline], the survey's coordinates; root attributes last, data_contracts/label_store.schema.json),
-   then its manifest row (data_contracts/label_row.schema.json), last and atomically.
+   crossline], the survey's coordinates; root attributes last, sfm/data_contracts/label_store.schema.json),
+   then its manifest row (sfm/data_contracts/label_row.schema.json), last and atomically.
 
 A source that does not fit is refused in the first pass, before anything is written; a label set without
 its row is invisible, so nothing half-written is ever read.
@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 
 from sfm import storage
-from sfm.config import LABEL_IGNORE
+from sfm.config import LABEL_IGNORE, IngestConfig
 from sfm.errors import SFMError
-from sfm.ingest import manifest
-from sfm.ingest.contracts import validate
+from sfm.formats import manifest
+from sfm.formats.contracts import validate
 from sfm.ingest.label_sources import SurveyGrid, open_source, refuse, survey_grid
 
 LABELS_VERSION = 1
@@ -166,17 +166,24 @@ def ingest_labels(src_url: str, survey: str, data_root: str, *, ignore: int | No
     return {**row, "status": status, "label_mask": mask, "seconds": time.perf_counter() - t0}
 
 
-def open_labels(store_url: str) -> tuple[dict[str, Any], Any, np.ndarray]:
-    """A published label store: its attributes (validated), its ``labels`` zarr array [IL, XL, NS] uint8 and
-    its ``label_mask`` [IL, XL] bool."""
-    import zarr
+def ingest_pairs(pairs: list[dict[str, str]], data_root: str, cfg: IngestConfig | None = None) -> list[dict[str, Any]]:
+    """Publish every survey and its labels (sources already published are found, not copied again): ``pairs``
+    [{"survey", "labels", "role"}] as :func:`sfm.finetune.run.plan_pairs` makes them; returns them with their
+    store URLs and ids."""
+    from sfm.ingest.survey import survey_row
 
-    try:
-        group = zarr.open_group(storage.zarr_store(store_url, read_only=True), mode="r")
-        attrs = dict(group.attrs)
-        labels, mask = group["labels"], np.asarray(group["label_mask"][...], bool)
-    except (FileNotFoundError, KeyError) as err:
-        raise SFMError(f"label store {store_url} does not exist or is incomplete ({type(err).__name__}); ingest "
-                       "the labels first (`sfm ingest-labels`)") from err
-    validate("label_store", attrs, f"label store {store_url}")
-    return attrs, labels, mask
+    out = []
+    for pair in pairs:
+        row = survey_row(pair["survey"], data_root, cfg)
+        if manifest.is_id(pair["labels"]):
+            labels = manifest.get_label_row(data_root, pair["labels"])
+            if labels is None or labels["survey_id"] != row["survey_id"]:
+                raise SFMError(f"label set {pair['labels']} is not published for survey {row['survey_id']} in "
+                               f"{data_root}; ingest it with `sfm ingest-labels`")
+        else:
+            labels = ingest_labels(pair["labels"], row["survey_id"], data_root)
+        print(f"sfm finetune: {pair['role']}: {row['name']} with labels {labels['name']} ({labels['labelled_voxels']} "
+              f"labelled voxels on {labels['labelled_inlines']} inlines)")
+        out.append({**pair, "store_url": row["store_url"], "label_url": labels["store_url"],
+                    "survey_id": row["survey_id"], "label_id": labels["label_id"], "name": labels["name"]})
+    return out

@@ -3,7 +3,7 @@
     row = register_mdio("s3://bucket/f3.mdio", data_root)   # what `sfm ingest s3://bucket/f3.mdio` does
 
 writes ``<data_root>/surveys/<survey_id>.zarr``, a small Zarr v3 group whose root attributes
-(``data_contracts/survey_store.schema.json``, ``source_kind: "mdio"``) name the MDIO store
+(``sfm/data_contracts/survey_store.schema.json``, ``source_kind: "mdio"``) name the MDIO store
 (``amplitude_url``) and its variable and hold the statistics recomputed from its data, beside a copy of
 its ``trace_mask`` and line numbers; then the manifest row, last (the survey is visible only now).
 Readers (:func:`sfm.data.survey.read_survey_info`) open the reference, then read the amplitude where it
@@ -22,11 +22,11 @@ import numpy as np
 
 from sfm import storage
 from sfm.config import IngestConfig
-from sfm.ingest import manifest
-from sfm.ingest.contracts import validate
+from sfm.formats import manifest
+from sfm.formats.contracts import validate
 from sfm.ingest.mdio_source import (DIGEST_ALGORITHM, DIGEST_DESCRIPTION, MdioSource, content_digest, inspect,
                                     statistics, survey_name)
-from sfm.ingest.options import STORE_VERSION
+from sfm.formats.store_layout import STORE_VERSION
 
 
 def reference_attrs(src: MdioSource, digest: str, stats: dict[str, Any]) -> dict[str, Any]:

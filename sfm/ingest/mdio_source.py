@@ -1,6 +1,6 @@
 """MDIO v1 post-stack stores as survey sources, read where they are: detect, check, identify, measure.
 
-An MDIO v1 store (written by ``multidimio`` 1.x; ``data_contracts/mdio_input.schema.json``) is a Zarr v3
+An MDIO v1 store (written by ``multidimio`` 1.x; ``sfm/data_contracts/mdio_input.schema.json``) is a Zarr v3
 group whose default variable (``amplitude``) is float32 [inline, crossline, time|depth] in regular chunks,
 NaN where no trace was; ``trace_mask`` [inline, crossline] says which traces exist and 1-D ``inline``,
 ``crossline`` and ``time``/``depth`` arrays hold the coordinates. sfm trains on it without a copy:
@@ -25,8 +25,8 @@ import numpy as np
 
 from sfm import storage
 from sfm.errors import SFMError
-from sfm.ingest.moments import Moments
-from sfm.ingest.options import PERCENTILE_TRACES
+from sfm.formats.moments import Moments
+from sfm.formats.store_layout import PERCENTILE_TRACES
 
 SAMPLE_AXES = ("time", "depth")
 AMPLITUDE_DTYPES = ("float32", "float16")

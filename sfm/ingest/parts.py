@@ -16,7 +16,7 @@ The store is the same, byte for byte, however many parts write it: every part wr
 own inlines (whole rows of shards, so no shard has two writers); the statistics of every brick column
 are kept apart and merged in the publish step in the store's column order
 (:func:`sfm.ingest.cube_writer.finish_store`); the content digest combines the pieces' digests in file
-order (:func:`sfm.ingest.segy.combine_pieces`), so neither depends on the number of parts.
+order (:func:`sfm.formats.segy.combine_pieces`), so neither depends on the number of parts.
 
 What the tasks hand each other lives under ``<data_root>/surveys/ingest-parts/<key>/`` (the header
 fields, each part's cells and statistics, the survey's plan: object writes, each atomic) and is
@@ -33,6 +33,7 @@ import dataclasses
 import io
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,16 +42,16 @@ import numpy as np
 from sfm import storage
 from sfm.config import IngestConfig
 from sfm.errors import SFMError
-from sfm.ingest import manifest
-from sfm.ingest.cube_writer import Columns, StorePlan, finish_store, prepare_store, write_columns
-from sfm.ingest.moments import Moments, moments_from_bytes, moments_to_bytes
+from sfm.formats import manifest
+from sfm.ingest.cube_writer import Columns, StorePlan, finish_store, ingest_threads, prepare_store, write_columns
+from sfm.formats.moments import Moments, moments_from_bytes, moments_to_bytes
 from sfm.ingest.mdio_register import publish_from_staging, scan_to_staging
-from sfm.ingest.options import STORE_VERSION, ingest_threads
-from sfm.ingest import segy
-from sfm.ingest.segy import (SegyLayout, checksum_fields, combine_pieces, header_fields_needed, read_layout,
+from sfm.formats.store_layout import STORE_VERSION, split_runs
+from sfm.formats import segy
+from sfm.formats.segy import (SegyLayout, checksum_fields, combine_pieces, header_fields_needed, read_layout,
                              scan_range, text_header)
-from sfm.ingest.segy_geometry import SurveyGeometry, build_geometry
-from sfm.ingest.zarr_writer import GroupWriter
+from sfm.formats.segy_geometry import SurveyGeometry, build_geometry
+from sfm.formats.zarr_writer import GroupWriter
 
 
 def staging_url(data_root: str, key: str) -> str:
@@ -64,11 +65,6 @@ def part_count(size: int, cfg: IngestConfig, parts: int = 0) -> int:
     wanted = int(parts) or int(cfg.parts)
     return wanted if wanted > 0 else max(1, math.ceil(size / (cfg.part_gb * 1e9)))
 
-
-def split(count: int, parts: int) -> list[tuple[int, int]]:
-    """``count`` consecutive items split into at most ``parts`` contiguous runs [(lo, hi)], as even as can be."""
-    parts = max(1, min(parts, count))
-    return [(count * k // parts, count * (k + 1) // parts) for k in range(parts)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -126,7 +122,7 @@ def survey_name(url: str) -> str:
 
 def store_attrs(url: str, digest: str, layout: SegyLayout, geometry: SurveyGeometry, cfg: IngestConfig
                 ) -> dict[str, Any]:
-    """The store's root attributes (data_contracts/survey_store.schema.json) before the statistics."""
+    """The store's root attributes (sfm/data_contracts/survey_store.schema.json) before the statistics."""
     text, encoding = text_header(layout)
     return {
         "sfm_store_version": STORE_VERSION, "survey_id": digest[:16], "name": survey_name(url), "source_url": url,
@@ -159,7 +155,7 @@ def plan_survey(url: str, layout: SegyLayout, headers: dict[tuple[int, int], np.
     store_url = manifest.survey_store_url(data_root, digest[:16])
     attrs = store_attrs(url, digest, layout, geometry, cfg)
     group, store = prepare_store(store_url, layout, geometry, headers, cfg)
-    rows = split(-(-store.shape[0] // store.bricks[0]), parts)
+    rows = split_runs(-(-store.shape[0] // store.bricks[0]), parts)
     return SurveyPlan(url, store_url, attrs, store, group.metadata(), geometry.inlines.tolist(),
                       geometry.crosslines.tolist(), rows, geometry.cell_traces())
 
@@ -176,7 +172,7 @@ def write_rows(survey: SurveyPlan, part: int, cells: np.ndarray, layout: SegyLay
 
 def publish_survey(survey: SurveyPlan, moments: list[Moments], data_root: str) -> tuple[dict[str, Any], bool]:
     """The publish step: merge the statistics of every brick column (``moments``, in the store's order), write
-    the root ``zarr.json``, then the manifest row, last (:func:`sfm.ingest.manifest.publish_or_get`)."""
+    the root ``zarr.json``, then the manifest row, last (:func:`sfm.formats.manifest.publish_or_get`)."""
     stats = finish_store(survey.group(), survey.store, moments, survey.attrs)
     return manifest.publish_or_get(data_root, manifest.make_row(survey.attrs, survey.store_url, stats))
 
@@ -187,7 +183,7 @@ def publish_survey(survey: SurveyPlan, moments: list[Moments], data_root: str) -
 
 def plan_scans(url: str, key: str, data_root: str, cfg: IngestConfig, parts: int = 0, kind: str = "segy"
                ) -> list[dict[str, Any]]:
-    """The scan parts of one survey: whole :data:`~sfm.ingest.segy.PIECE_BYTES` pieces of the file each, at
+    """The scan parts of one survey: whole :data:`~sfm.formats.segy.PIECE_BYTES` pieces of the file each, at
     most ``part_count`` of them. Each is a small dict for :func:`scan_part`. An MDIO store (``kind`` "mdio")
     has one scan part, its identity and statistics, and nothing to write."""
     if kind == "mdio":
@@ -197,7 +193,7 @@ def plan_scans(url: str, key: str, data_root: str, cfg: IngestConfig, parts: int
     size = read_layout(url, cfg.endian).size  # refuses a file that is not SEG-Y before any task starts
     n_parts = part_count(size, cfg, parts)
     piece = segy.PIECE_BYTES
-    runs = split(-(-size // piece), n_parts)
+    runs = split_runs(-(-size // piece), n_parts)
     return [{"url": url, "key": key, "staging": staging_url(data_root, key), "size": size, "parts": n_parts,
              "scan_part": k, "scan_parts": len(runs), "start": lo * piece, "stop": min(size, hi * piece)}
             for k, (lo, hi) in enumerate(runs)]
@@ -302,7 +298,6 @@ def _remove_staging(staging: str) -> None:
     """Remove one survey's staging folder (and, on a local disk, the parts folder once it is empty)."""
     storage.remove(staging)
     if not storage.is_s3(staging):
-        import os
 
         parent = os.path.dirname(staging)
         if os.path.isdir(parent) and not os.listdir(parent):

@@ -14,7 +14,7 @@ One call ingests one survey, running the steps of :mod:`sfm.ingest.parts` as one
    in cache, place them into the column, laid out brick after brick so the codec reads each brick where
    it lies, then encode and write whole shards;
 4. publish (:func:`~sfm.ingest.parts.publish_survey`): write the attributes (validated against
-   ``data_contracts/survey_store.schema.json``) and the consolidated metadata, and only then the manifest row.
+   ``sfm/data_contracts/survey_store.schema.json``) and the consolidated metadata, and only then the manifest row.
 
 Memory is bounded by ``workers`` brick columns in flight, never by the file size. A store is
 written in place at ``surveys/<survey_id>.zarr`` with atomic object writes; every attempt writes the
@@ -30,13 +30,14 @@ from typing import Any
 
 from sfm import storage
 from sfm.config import IngestConfig
-from sfm.ingest import manifest
-from sfm.ingest.contracts import read_store_attrs
+from sfm.errors import SFMError
+from sfm.formats import manifest
+from sfm.formats.contracts import read_store_attrs
 from sfm.ingest.mdio_register import register_mdio
 from sfm.ingest.mdio_source import is_mdio
-from sfm.ingest.options import ingest_threads
+from sfm.ingest.cube_writer import ingest_threads
 from sfm.ingest.parts import header_fields, plan_survey, publish_survey, write_rows
-from sfm.ingest.segy import read_layout, scan_file
+from sfm.formats.segy import read_layout, scan_file
 
 
 def ingest_survey(src_url: str, data_root: str, config: IngestConfig | None = None, *, progress: bool = False,
@@ -48,7 +49,7 @@ def ingest_survey(src_url: str, data_root: str, config: IngestConfig | None = No
     ``mb_per_s`` and ``details`` (byte locations and how they were found, byte order, holes, ...).
 
     ``survey_id`` is the first 16 hex digits of the file's BLAKE3 content digest (what ``b3sum`` prints for
-    files up to 4 GiB; see :data:`sfm.ingest.segy.DIGEST_ALGORITHM` for larger ones), so the same bytes
+    files up to 4 GiB; see :data:`sfm.formats.segy.DIGEST_ALGORITHM` for larger ones), so the same bytes
     always give the same survey, wherever they come from; the store and the manifest row record the whole
     digest as ``checksum`` = "<algorithm>:<64 hex digits>".
 
@@ -85,6 +86,23 @@ def ingest_survey(src_url: str, data_root: str, config: IngestConfig | None = No
     if not published:
         return _exists(row, src_url, t0, concurrent=True)
     return {**row, "status": "ingested", **_report(survey.attrs, timings, time.perf_counter() - t0)}
+
+
+
+def survey_row(survey: str, data_root: str, cfg: IngestConfig | None = None) -> dict[str, Any]:
+    """The manifest row of ``survey``: a published survey id, a survey store URL, or a source (SEG-Y, MDIO) to
+    ingest into ``data_root`` first."""
+    if manifest.is_id(survey):
+        row = manifest.get_row(data_root, survey)
+        if row is None:
+            raise SFMError(f"survey {survey} is not published in {data_root}; ingest it or name its SEG-Y")
+        return row
+    if survey.rstrip("/").endswith(".zarr"):
+        row = manifest.get_row(data_root, read_store_attrs(storage.normalize(survey))["survey_id"])
+        if row is None:
+            raise SFMError(f"survey store {survey} is not published in {data_root}; name its SEG-Y to ingest it")
+        return row
+    return ingest_survey(survey, data_root, cfg)
 
 
 def _report(attrs: dict[str, Any], timings: dict[str, float], seconds: float) -> dict[str, Any]:
@@ -130,4 +148,4 @@ def open_survey(store_url: str):
     return xr.open_zarr(storage.normalize(store_url), **options)
 
 
-__all__ = ["ingest_survey", "open_survey"]
+__all__ = ["ingest_survey", "open_survey", "survey_row"]

@@ -37,14 +37,16 @@ import datetime as dt
 import hashlib
 import json
 import re
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sfm import storage
 from sfm.config import RegistryConfig
-from sfm.ingest.contracts import validate
+from sfm.formats.contracts import validate
 from sfm.errors import SFMError
 
 METRIC = RegistryConfig.champion_metric  # the default champion metric (of encoders)
@@ -243,6 +245,21 @@ def maybe_promote(data_root: str, model_name: str, version: int, *, champion: Ch
 
 
 # ---- register and load -------------------------------------------------------------------------
+
+
+def code_version() -> str:
+    """What code made a version (its lineage's ``code_version``): the package version plus the git commit of the
+    checkout, when there is one."""
+    import sfm
+
+    here = Path(__file__).resolve().parent
+    try:
+        top, _, commit = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short=12", "HEAD"],
+                                        capture_output=True, text=True, cwd=here, timeout=10).stdout.partition("\n")
+    except (OSError, subprocess.SubprocessError):
+        top, commit = "", ""
+    commit = commit.strip() if top and Path(top) == here.parent.parent else ""  # not another repository a venv sits in
+    return f"{sfm.__version__}+g{commit}" if commit else sfm.__version__
 
 
 def register(data_root: str, model_name: str, model_url: str, *, config: dict, metrics: dict, lineage: dict,

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 
 from sfm import storage
-from sfm.ingest import manifest
+from sfm.formats import manifest
 from sfm.config import JobConfig
 from sfm.errors import SFMError
 from sfm.ingest.mdio_source import is_mdio
@@ -102,7 +102,7 @@ class SbatchOptions:
 
 def render_sbatch(cfg: JobConfig, opts: SbatchOptions, command_line: str = "") -> str:
     """The sbatch script for ``opts.nodes`` nodes x ``opts.procs_per_node`` processes of this job (``cfg``
-    resolved: :func:`sfm.pipeline.with_overrides` has mapped its Accelerate config file into it)."""
+    resolved: :func:`sfm.ops.pipeline.with_overrides` has mapped its Accelerate config file into it)."""
     if opts.nodes < 1 or opts.procs_per_node < 1:
         raise SFMError(f"--nodes {opts.nodes} and --procs-per-node {opts.procs_per_node} must be at least 1")
     for flag, url in (("--run-root", opts.run_root), ("--data-root", opts.data_root)):

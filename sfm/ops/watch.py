@@ -4,7 +4,7 @@ One pass (:func:`watch_once`):
 
 1. take the watcher lease ``<data-root>/watch/lock.json`` (one pass at a time over a data root);
 2. list the SEG-Y files (``.sgy``/``.segy``) in the landing prefix and find each one's content
-   digest, the ``survey_id`` ingest gives it (BLAKE3-based, see :func:`sfm.ingest.segy.file_digest`);
+   digest, the ``survey_id`` ingest gives it (BLAKE3-based, see :func:`sfm.formats.segy.file_digest`);
    digests are cached by (URL, size, ETag/mtime), so a file is read once, not on every pass;
 3. a file is *new* when its survey is neither in the manifest nor already handled by the watcher;
    a new file that is not readable SEG-Y is quarantined at once (moved to
@@ -213,7 +213,7 @@ def list_landing(landing: str) -> list[LandingFile]:
 
 def identify(data_root: str, f: LandingFile) -> LandingFile:
     """Fill in the file's survey id and whether it reads as SEG-Y, from the cache or by reading it once."""
-    from sfm.ingest.segy import file_digest, read_layout
+    from sfm.formats.segy import file_digest, read_layout
 
     key = hashlib.sha256(f"{f.url}\n{f.size}\n{f.stamp}".encode()).hexdigest()[:32]
     cache_url = state_url(data_root, "digests", f"{key}.json")
@@ -283,7 +283,7 @@ def registered_version(tags: list[str]) -> int | None:
 
 def pending_files(data_root: str, files: list[LandingFile], max_attempts: int) -> list[LandingFile]:
     """The files a run must take now (one per survey), after quarantining the unreadable ones."""
-    from sfm.ingest import manifest
+    from sfm.formats import manifest
 
     in_manifest = set(manifest.read(data_root)["survey_id"])
     chosen: dict[str, LandingFile] = {}
@@ -326,7 +326,7 @@ def run_plan(opts: WatchOptions) -> dict[str, Any]:
     the manifest), so the new version is scored on the same surveys as the champion it must beat.
     """
     from sfm.model import registry
-    from sfm.ingest import manifest
+    from sfm.formats import manifest
 
     model_name = JobConfig.from_toml(opts.config or None, opts.overrides).registry.model_name
     champion = registry.champion_version(opts.data_root, model_name)

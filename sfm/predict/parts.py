@@ -6,7 +6,7 @@ runs each part in its own task:
     run_part(plan, k)                # per task (or GPU): the shards of part k's shard rows
     publish_prediction(plan)         # one task: the SEG-Y export if asked, then the root zarr.json, last
 
-A part is a run of whole output shard rows (:func:`sfm.ingest.parts.split`), so parts write disjoint
+A part is a run of whole output shard rows (:func:`sfm.formats.store_layout.split_runs`), so parts write disjoint
 objects. A killed part is simply run again: what finished parts wrote (their shards and markers) is kept
 and reused, because a rerun with the same model, survey and settings finds the plan it staged
 (:attr:`sfm.predict.store.PredictionPlan.identity`); other settings into an unfinished store are refused.
@@ -81,8 +81,8 @@ def _survey_info(url: str):
 
 def store_shape(info, channels: int, output: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(shape, bricks, shards) of the predicted variable: the survey's bricks, shards of whole bricks along
-    the samples (up to :data:`sfm.ingest.options.SHARD_BYTES`); a class axis last for several probabilities."""
-    from sfm.ingest.options import SHARD_BYTES
+    the samples (up to :data:`sfm.formats.store_layout.SHARD_BYTES`); a class axis last for several probabilities."""
+    from sfm.formats.store_layout import SHARD_BYTES
 
     shape = tuple(int(n) for n in info.shape)
     bricks = tuple(min(int(b), n) for b, n in zip(info.bricks, shape))
@@ -97,7 +97,7 @@ def store_shape(info, channels: int, output: str) -> tuple[tuple[int, ...], tupl
 def plan_prediction(opts: PredictOptions) -> PredictionPlan:
     """Check the model, the survey and the output, then make the store's arrays and stage the plan; a plan
     staged before with the same identity is returned as it is (its finished parts are reused)."""
-    from sfm.ingest.parts import split
+    from sfm.formats.store_layout import split_runs
     from sfm.predict.task_model import load_task_model
 
     opts.check()
@@ -108,7 +108,7 @@ def plan_prediction(opts: PredictOptions) -> PredictionPlan:
     info = _survey_info(survey)
     crop = tuple(int(c) for c in model.net.crop)
     shape, bricks, shards = store_shape(info, model.channels, opts.output)
-    rows = split(-(-shape[0] // bricks[0]), int(opts.parts))
+    rows = split_runs(-(-shape[0] // bricks[0]), int(opts.parts))
     if len(rows) < int(opts.parts):
         raise SFMError(f"--parts {opts.parts}: {survey} has only {len(rows)} shard rows of {bricks[0]} inlines; "
                        f"use at most {len(rows)} parts")

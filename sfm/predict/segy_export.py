@@ -7,7 +7,7 @@ Two sources of headers, in this order:
   crossline (read at the store's ``iline_byte`` / ``xline_byte``), as IEEE floats (format 5) in the file's byte
   order; every header byte, extended textual headers and trace order included, is the source's;
 - the trace headers an MDIO-layout store or an MDIO store keeps (``headers``, the rev-1 fields, and
-  ``segy_file_header``), written back by :func:`sfm.ingest.mdio_layout.encode_trace_headers`, one trace per
+  ``segy_file_header``), written back by :func:`sfm.formats.mdio_layout.encode_trace_headers`, one trace per
   live cell, inlines outer, big-endian.
 
 Classes are written as their float values. The file is written whole or not at all (a temporary name
@@ -124,7 +124,7 @@ def _write_atomically(target: str, write: Callable[[str], None]) -> None:
 
 def _from_source(plan: PredictionPlan, values, source: str, path: str) -> None:
     """The source SEG-Y, its samples replaced by the prediction (format 5, the file's byte order)."""
-    from sfm.ingest.segy import read_layout
+    from sfm.formats.segy import read_layout
     from sfm.storage.ranged_file import open_ranged
 
     _, attrs, _ = store.open_source(plan.survey)
@@ -168,7 +168,7 @@ def _index(numbers: np.ndarray, lines: np.ndarray, what: str, source: str) -> np
 
 def _from_headers(plan: PredictionPlan, values, holder, path: str) -> None:
     """One trace per live cell, inlines outer: the stored rev-1 headers, big-endian, format 5."""
-    from sfm.ingest.mdio_layout import encode_file_header, encode_trace_headers
+    from sfm.formats.mdio_layout import encode_file_header, encode_trace_headers
 
     mask = np.asarray(plan_coordinate(plan, "trace_mask"), dtype=bool)
     headers, b0 = holder["headers"], plan.bricks[0]

@@ -28,7 +28,7 @@ import numpy as np
 
 from sfm.data import Crop, CropReader, Surveys
 from sfm.data.crop_reader import wait_all
-from sfm.ingest.moments import Moments
+from sfm.formats.moments import Moments
 from sfm.predict.windows import WindowGrid
 
 

@@ -1,12 +1,12 @@
 """The prediction store: a Zarr v3 group on the survey's grid, written in parts and published atomically.
 
-Layout (``data_contracts/prediction_store.schema.json``): the predicted variable, ``probability`` (float32:
+Layout (``sfm/data_contracts/prediction_store.schema.json``): the predicted variable, ``probability`` (float32:
 [inline, crossline, sample] for a binary task, the probability of class 1; [inline, crossline, sample,
 class] with several classes) or ``classes`` (uint8 [inline, crossline, sample]), sharded like the survey's
 amplitude (the survey's bricks, shards of whole bricks along the samples), 0 at dead traces; beside it copies
 of the survey's ``trace_mask``, line numbers, sample axis and CDP coordinates, so ``xarray.open_zarr`` shows
 the prediction with the survey's coordinates. With ``layout = "mdio"`` the store also carries what MDIO 1.1.3
-reads and exports (:mod:`sfm.ingest.mdio_layout`: the template's attributes with the predicted variable as
+reads and exports (:mod:`sfm.formats.mdio_layout`: the template's attributes with the predicted variable as
 the default, ``statsV1``, the survey's ``segy_file_header`` and trace ``headers``).
 
 Atomicity, as the ingest's parts (:mod:`sfm.ingest.parts`): the plan step creates the arrays (metadata
@@ -70,7 +70,7 @@ class PredictionPlan:
 
     def group(self):
         """The writer of the store's group, whose arrays the plan step made."""
-        from sfm.ingest.zarr_writer import GroupWriter
+        from sfm.formats.zarr_writer import GroupWriter
 
         return GroupWriter.from_metadata(self.out, self.metadata)
 
@@ -133,8 +133,8 @@ def create_arrays(plan: PredictionPlan):
     ``zarr.json``. Returns the GroupWriter."""
     from zarr.codecs import BloscCodec
 
-    from sfm.ingest.options import AMPLITUDE_CODEC
-    from sfm.ingest.zarr_writer import GroupWriter
+    from sfm.formats.store_layout import AMPLITUDE_CODEC
+    from sfm.formats.zarr_writer import GroupWriter
 
     group, _, mdio = open_source(plan.survey)
     mdio_layout = plan.settings["layout"] == "mdio"
@@ -177,7 +177,7 @@ def _create_headers(writer, source, plan: PredictionPlan) -> None:
     from zarr.codecs import BloscCodec, ZstdCodec
     from zarr.errors import UnstableSpecificationWarning
 
-    from sfm.ingest.mdio_layout import HEADER_CODEC
+    from sfm.formats.mdio_layout import HEADER_CODEC
 
     if source is None or "headers" not in source or "segy_file_header" not in source:
         raise SFMError(f"--layout mdio needs the survey's trace headers, and {plan.survey} has none (ingested with "
@@ -222,7 +222,7 @@ def root_attributes(plan: PredictionPlan, survey_attrs: dict, model: dict) -> di
 def merged_stats(plan: PredictionPlan) -> dict[str, Any]:
     """The statistics of the predicted values over the live traces, from every part's marker (in part order);
     SFMError naming the first part not written."""
-    from sfm.ingest.moments import Moments
+    from sfm.formats.moments import Moments
 
     total, counts = Moments(), None
     for k in range(len(plan.rows)):
@@ -245,8 +245,8 @@ def merged_stats(plan: PredictionPlan) -> dict[str, Any]:
 def publish(plan: PredictionPlan) -> dict[str, Any]:
     """Write the root ``zarr.json`` (the statistics merged from the parts' markers), last; then remove the
     staging folder. Returns the root attributes."""
-    from sfm.ingest import mdio_layout
-    from sfm.ingest.contracts import validate
+    from sfm.formats import mdio_layout
+    from sfm.formats.contracts import validate
 
     merged = merged_stats(plan)
     stats = merged["stats"]
@@ -263,7 +263,7 @@ def publish(plan: PredictionPlan) -> dict[str, Any]:
     if not storage.is_s3(plan.out):  # what killed writers left (never zarr keys, but not part of the store)
         from pathlib import Path
 
-        from sfm.ingest.zarr_writer import remove_stale_partials
+        from sfm.formats.zarr_writer import remove_stale_partials
 
         remove_stale_partials(Path(storage.normalize(plan.out)))
     group.finish(written)

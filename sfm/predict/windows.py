@@ -15,7 +15,7 @@ windows, and a slab of it is final as soon as the windows that reach it are adde
 
 Test-time mirroring (:func:`mirrorings`) sees each window also flipped along the inline and crossline axes
 (and with those two swapped where the crop is square in them), maps each back and averages, as
-:func:`sfm.eval.volume_predict.predict` does for the downstream evaluation.
+:func:`sfm.predict.volume_predict.predict` does for the downstream evaluation.
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ def test_default_run_reports_the_downstream_evaluation(default_run):
 def test_the_demo_ends_saying_where_the_model_is_and_what_its_gain_means(default_run):
     """The last lines a newcomer reads: the registered version's folder and how to export it, and that the tiny
     demo model's gain means nothing, with the command that measures the gain and its last measured figure."""
-    from sfm.pipeline import QUALITY_COMMAND, QUALITY_GAINS
+    from sfm.ops.pipeline import QUALITY_COMMAND, QUALITY_GAINS
 
     ends = [line for line in default_run["stdout"].splitlines() if "/end/" in line]  # the end step's lines
     tail = [line for line in ends if "Task finished successfully" not in line][-3:]  # without Metaflow's own
@@ -194,7 +194,7 @@ def test_the_demo_ends_saying_where_the_model_is_and_what_its_gain_means(default
 
 def test_the_demo_points_to_the_gain_the_report_holds():
     """The figure the demo's last line quotes is the quality table's current fine-tuned gain (BENCHMARKS.md)."""
-    from sfm.pipeline import QUALITY_GAINS
+    from sfm.ops.pipeline import QUALITY_GAINS
 
     report = (Path(__file__).resolve().parents[2] / "BENCHMARKS.md").read_text()
     for n, gain in QUALITY_GAINS.items():

@@ -57,7 +57,7 @@ def run_flow(home: Path, env: dict, *args: str) -> dict:
 def runs(tmp_path_factory):
     """Two flow runs in one working folder (data root: the default sfm_data there): from the registered encoder
     (sfm-mae v1) on 2 ranks, and from random initialisation."""
-    from sfm.ingest.synth import SegyOptions, synth_survey, write_segy
+    from sfm.synth.survey import SegyOptions, synth_survey, write_segy
     from sfm.model import mae_config, save
     from sfm.model.mae import MaskedAutoencoder3D
 
@@ -111,7 +111,7 @@ def test_both_arms_register_task_models_with_lineage_and_held_out_scores(runs):
 
 
 def test_labels_on_every_eighth_inline_train_and_the_card_shows_a_held_out_line(runs):
-    from sfm.ingest import manifest
+    from sfm.formats import manifest
 
     rows = {r["label_id"]: r for r in manifest.label_rows(runs["root"])}
     train_id = next(lab["label_id"] for lab in registry.get(runs["root"], "sfm-faults", 1)["lineage"]["labels"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support.flowrun import client_view, fast_job_toml, run_flow
 
-from sfm.ingest import manifest
+from sfm.formats import manifest
 
 pytestmark = pytest.mark.integration
 

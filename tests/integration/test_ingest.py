@@ -20,8 +20,8 @@ import segyio
 import zarr
 
 from sfm import storage
-from sfm.ingest import manifest
-from sfm.ingest.contracts import read_store_attrs
+from sfm.formats import manifest
+from sfm.formats.contracts import read_store_attrs
 from sfm.errors import SFMError
 from sfm.ingest.survey import ingest_survey, open_survey
 
@@ -314,7 +314,7 @@ def test_checksum_is_the_files_blake3_and_survey_id_its_prefix(tmp_path, segy_di
     attrs = read_store_attrs(row["store_url"])
     assert row["checksum"] == attrs["checksum"] == f"blake3:{digest}" and attrs["checksum_algorithm"] == "blake3"
     assert row["survey_id"] == digest[:16]
-    from sfm.ingest.segy import file_digest
+    from sfm.formats.segy import file_digest
 
     assert file_digest(str(segy_dir / "small.sgy")) == digest  # what sfm watch uses to know a file's survey
 
@@ -322,7 +322,7 @@ def test_checksum_is_the_files_blake3_and_survey_id_its_prefix(tmp_path, segy_di
 @pytest.mark.parametrize("codec,via", [("lz4", "cli"), ("zstd:3", "api")])
 def test_codec_is_configurable(tmp_path, codec, via):
     from sfm.config import IngestConfig
-    from sfm.ingest.options import DEFAULT_CODEC
+    from sfm.formats.store_layout import DEFAULT_CODEC
 
     assert IngestConfig().codec == DEFAULT_CODEC  # the flow's [ingest] codec defaults to ingest's own
     amplitude = cases.volume((10, 9, 20), seed=2)
@@ -344,7 +344,7 @@ def test_codec_is_configurable(tmp_path, codec, via):
 
 def test_flow_defaults_detect_byte_locations_and_write_128_bricks(tmp_path):
     from sfm.config import JobConfig
-    from sfm import pipeline
+    from sfm.ops import pipeline
 
     cfg = JobConfig.from_toml()  # sfm/default.toml, as the flow's ingest step reads it
     assert (cfg.ingest.iline_byte, cfg.ingest.xline_byte, cfg.ingest.chunk) == (0, 0, 128)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from support.ingest_cases import Backend, backend  # noqa: F401  (the local/S3 fixture)
 
-from sfm.ingest import manifest
+from sfm.formats import manifest
 from sfm.ingest.survey import ingest_survey
 
 pytestmark = pytest.mark.long(1)
@@ -137,7 +137,7 @@ def test_cli_prints_a_line_per_survey_and_an_error_per_bad_file(tmp_path, segy_d
 
 
 def test_a_rerun_removes_what_killed_writers_left_and_keeps_live_ones(tmp_path):
-    from sfm.ingest.zarr_writer import HOST
+    from sfm.formats.zarr_writer import HOST
 
     source = cases.write(tmp_path / "s.sgy", cases.volume((20, 20, 40), seed=3))
     done = ingest_survey(str(source), str(tmp_path / "done"), chunk=8)
@@ -164,7 +164,7 @@ def test_a_process_that_read_a_manifest_row_exits_cleanly(tmp_path, segy_dir):
     process's last work (std::terminate on a live pool thread), so the losing ingest of a race failed at
     random. Ten fresh processes whose last work is reading a published row must all exit 0."""
     row = ingest_survey(str(segy_dir / "small.sgy"), str(tmp_path / "root"))
-    script = ("import sys; from pathlib import Path; from sfm.ingest import manifest; "
+    script = ("import sys; from pathlib import Path; from sfm.formats import manifest; "
               "data = Path(sys.argv[1]).read_bytes(); print(manifest.decode_row(data)['survey_id'])")
     path = manifest.row_url(str(tmp_path / "root"), row["survey_id"])
     for _ in range(10):

@@ -12,7 +12,7 @@ import segyio
 import zarr
 
 from sfm.errors import SFMError
-from sfm.ingest.contracts import read_store_attrs
+from sfm.formats.contracts import read_store_attrs
 from sfm.ingest.survey import ingest_survey
 from support import ingest_cases as cases
 from support.ibm_words import ibm2ieee_float32, ingest_words

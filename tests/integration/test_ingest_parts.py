@@ -17,7 +17,8 @@ from support.flowrun import client_view, fast_job_toml, run_flow, task_view
 
 from sfm.config import IngestConfig
 from sfm.errors import SFMError
-from sfm.ingest import manifest, parts, segy
+from sfm.formats import manifest, segy
+from sfm.ingest import parts
 from sfm.ingest.survey import ingest_survey
 
 

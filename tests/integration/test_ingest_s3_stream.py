@@ -143,7 +143,7 @@ def test_a_put_the_server_never_answers_is_abandoned_with_one_line(monkeypatch):
 
     from sfm import storage
     from sfm.errors import SFMError
-    from sfm.ingest import zarr_writer
+    from sfm.formats import zarr_writer
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

@@ -87,7 +87,7 @@ def test_installed_package_ingests_trains_runs_the_flow_and_loads_from_the_regis
     # the package imported is the installed one, carrying the files it reads at run time
     probe = timed("import", [python, "-c", (
         "import json, sfm; from sfm.ops.watch import FLOW_FILE; from sfm.config import DEFAULT_TOML; "
-        "from sfm.ingest.contracts import CONTRACTS_DIR; "
+        "from sfm.formats.contracts import CONTRACTS_DIR; "
         "print(json.dumps({'sfm': sfm.__file__, 'flow': str(FLOW_FILE), 'toml': str(DEFAULT_TOML), "
         "'contracts': {p.name: p.read_text() for p in CONTRACTS_DIR.iterdir()}}))")], work, env, 120)
     where = json.loads(probe.stdout)
@@ -96,7 +96,7 @@ def test_installed_package_ingests_trains_runs_the_flow_and_loads_from_the_regis
     assert Path(where["flow"]) == site / "flows" / "pretrain_flow.py"
     assert Path(where["flow"]).read_bytes() == FLOW.read_bytes()  # the flow `sfm watch` runs is the documented one
     assert Path(where["toml"]).read_bytes() == (PROJECT / "sfm" / "default.toml").read_bytes()
-    assert where["contracts"] == {p.name: p.read_text() for p in (PROJECT / "data_contracts").glob("*.json")}
+    assert where["contracts"] == {p.name: p.read_text() for p in (PROJECT / "sfm" / "data_contracts").glob("*.json")}
 
     # sfm ingest of the real F3 crop (schema-validated store attributes and manifest row)
     root = work / "sfm_data"

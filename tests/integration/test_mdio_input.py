@@ -17,8 +17,8 @@ from support.crop_stores import crops_of
 from sfm import data, storage
 from sfm.data.bricks import BrickReader
 from sfm.errors import SFMError
-from sfm.ingest import manifest
-from sfm.ingest.contracts import read_store_attrs, validate
+from sfm.formats import manifest
+from sfm.formats.contracts import read_store_attrs, validate
 from sfm.ingest.survey import ingest_survey, open_survey
 from sfm.ops.slurm import training_surveys
 

@@ -19,7 +19,8 @@ from support.mdio_env import describe, mdio_to_segy
 
 from sfm.config import IngestConfig, JobConfig
 from sfm.errors import SFMError
-from sfm.ingest import parts, segy
+from sfm.formats import segy
+from sfm.ingest import parts
 from sfm.ingest.survey import ingest_survey
 
 MDIO = IngestConfig(layout="mdio")

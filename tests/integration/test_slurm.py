@@ -16,7 +16,7 @@ import pytest
 
 from conftest import PROJECT, free_port
 from sfm.ingest import survey as ingest
-from sfm.ingest import synth
+from sfm.synth import survey as synth
 from sfm.ops.cluster import EFA_ENV
 from sfm.config import JobConfig
 from sfm.errors import SFMError

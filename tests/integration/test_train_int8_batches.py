@@ -17,7 +17,7 @@ from support.training import make_job
 @pytest.fixture(scope="module")
 def int8_store(tmp_path_factory) -> str:
     from sfm.ingest.survey import ingest_survey
-    from sfm.ingest.synth import synth_survey
+    from sfm.synth.survey import synth_survey
 
     tmp = tmp_path_factory.mktemp("int8-train")
     synth_survey(str(tmp / "s.sgy"), shape=(48, 48, 64), seed=4)

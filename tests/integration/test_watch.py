@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import PROJECT
 
-from sfm import pipeline, storage
+from sfm import storage
+from sfm.ops import pipeline
 from sfm.model import registry
 from sfm.config import JobConfig
 from sfm.errors import SFMError
@@ -255,7 +256,7 @@ def test_a_failed_run_is_blamed_on_the_file_its_error_names():
 
 def test_a_first_survey_waits_for_a_held_out_one(tmp_path, metaflow_env):
     """No champion, one new file, no --held-out: nothing to evaluate on, so the watcher waits (no run)."""
-    from sfm.ingest.synth import synth_survey
+    from sfm.synth.survey import synth_survey
     from sfm.ops.watch import WatchOptions, watch_once
 
     landing = tmp_path / "landing"

@@ -17,7 +17,7 @@ from sfm import data
 from sfm.config import DataConfig
 from sfm.distributed.launch import environment_for_workers
 from sfm.ingest import survey as ingest
-from sfm.ingest import synth
+from sfm.synth import survey as synth
 
 TRACE_HEADER = 240
 FILE_HEADER = 3600

@@ -1,4 +1,4 @@
-"""SEG-Y edge cases for the ingest tests, made from sfm.ingest.synth.write_segy plus raw byte edits.
+"""SEG-Y edge cases for the ingest tests, made from sfm.synth.survey.write_segy plus raw byte edits.
 
 Every helper writes a real SEG-Y file (segyio wrote the original) and returns what ingest should
 store, so tests compare the store against an independent expectation.
@@ -15,7 +15,8 @@ import segyio
 import zarr
 
 from sfm import storage
-from sfm.ingest import manifest, synth
+from sfm.formats import manifest
+from sfm.synth import survey as synth
 
 FILE_HEADER = 3600
 TRACE_HEADER = 240
@@ -28,7 +29,7 @@ def volume(shape=(12, 10, 24), seed: int = 0) -> np.ndarray:
 
 
 def write(path: Path, amplitude: np.ndarray, **options) -> Path:
-    """sfm.ingest.synth.write_segy laid out as ``options`` (:class:`sfm.ingest.synth.SegyOptions` fields) say,
+    """sfm.synth.survey.write_segy laid out as ``options`` (:class:`sfm.synth.survey.SegyOptions` fields) say,
     format 5 by default; returns the path."""
     synth.write_segy(path, amplitude, synth.SegyOptions(**options))
     return Path(path)

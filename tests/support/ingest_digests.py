@@ -32,7 +32,9 @@ from conftest import SEGY_DIR
 from support import ingest_cases as cases
 
 from sfm.config import IngestConfig
-from sfm.ingest import manifest, parts, segy, synth
+from sfm.formats import manifest, segy
+from sfm.ingest import parts
+from sfm.synth import survey as synth
 from sfm.ingest.survey import ingest_survey
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "ingest_digests.json"

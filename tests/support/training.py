@@ -26,7 +26,7 @@ PROJECT = Path(__file__).resolve().parents[2]
 def make_survey_store(tmp_path_factory, seed: int) -> str:
     """One small synthetic survey (48 x 48 x 64), ingested into a Zarr store of 32^3 bricks."""
     from sfm.ingest.survey import ingest_survey
-    from sfm.ingest.synth import synth_survey
+    from sfm.synth.survey import synth_survey
 
     tmp = tmp_path_factory.mktemp("survey")
     synth_survey(str(tmp / "s.sgy"), shape=(48, 48, 64), seed=seed)

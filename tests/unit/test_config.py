@@ -8,7 +8,7 @@ from sfm.errors import SFMError
 
 
 def test_job_settings_are_validated_with_the_key_and_the_fix():
-    from sfm import pipeline
+    from sfm.ops import pipeline
 
     for kwargs, words in ((dict(max_steps=-5), "train.max_steps = -5 must be at least 1; pass a positive --max-steps"),
                           (dict(preset="gigantic"), "valid presets are tiny, mini"),
@@ -122,7 +122,7 @@ def test_deepspeed_strategies_refuse_muon_context_parallelism_and_a_missing_extr
     DeepSpeed's own Muon is not the project's), cp > 1, and DeepSpeed not installed."""
     import sys
 
-    from sfm import pipeline
+    from sfm.ops import pipeline
 
     for strategy in ("deepspeed-zero2", "deepspeed-zero3"):
         assert pipeline.job_config({}, pipeline.Overrides(strategy=strategy, nodes=2)).dist.strategy == strategy

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from sfm.eval import downstream, fault_scores, labelled, volume_predict
+from sfm.eval import downstream, labelled
+from sfm.finetune import fault_scores
+from sfm.predict import volume_predict
 from sfm.config import EvalConfig, JobConfig
 from sfm.errors import SFMError
 from sfm.model import mae_config
@@ -76,13 +78,13 @@ def test_best_threshold_maximises_f1():
 
 
 def test_tiles_cover_every_voxel_and_predictions_average_overlaps():
-    assert labelled.tile_origins(64, 32) == [0, 32]
-    assert labelled.tile_origins(70, 32) == [0, 32, 38]
+    assert volume_predict.tile_origins(64, 32) == [0, 32]
+    assert volume_predict.tile_origins(70, 32) == [0, 32, 38]
     with pytest.raises(ValueError, match="smaller than the model's crop"):
-        labelled.tile_origins(16, 32)
-    assert labelled.tile_origins(64, 32, 16) == [0, 16, 32]
-    assert labelled.tile_origins(70, 32, 16) == [0, 16, 32, 38]
-    assert len(labelled.tiles((64, 64, 64), (32, 32, 64), overlap=True)) == 9
+        volume_predict.tile_origins(16, 32)
+    assert volume_predict.tile_origins(64, 32, 16) == [0, 16, 32]
+    assert volume_predict.tile_origins(70, 32, 16) == [0, 16, 32, 38]
+    assert len(volume_predict.tiles((64, 64, 64), (32, 32, 64), overlap=True)) == 9
     assert len(volume_predict.mirrorings((32, 32, 64))) == 8 and len(volume_predict.mirrorings((32, 16, 64))) == 4
     # a head that reads each voxel's own amplitude: predictions must reproduce sigmoid(amplitude) exactly, with
     # abutting tiles and with test-time augmentation (a window or mirror view mapped back wrongly would misplace it)

@@ -10,9 +10,9 @@ import torch
 from sfm.config import JobConfig
 from sfm.errors import SFMError
 from sfm.finetune import loop, samples, scores
-from sfm.ingest.labels import ingest_labels
+from sfm.ingest.labels import ingest_labels, ingest_pairs
 from sfm.ingest.survey import ingest_survey
-from sfm.ingest.synth import write_segy
+from sfm.synth.survey import write_segy
 
 SHAPE = (40, 36, 48)
 CROP = (16, 16, 16)
@@ -123,7 +123,7 @@ def test_a_classes_task_fine_tunes_from_random_init_and_scores_every_class(tmp_p
     (stderr is not a terminal) with each phase's step count and loss."""
     from sfm.finetune import job as ftjob
     from sfm.finetune import run
-    from sfm.ingest.synth import synth_survey
+    from sfm.synth.survey import synth_survey
     from sfm.model.segmenter import load_segmenter
 
     made = synth_survey(tmp_path / "s.sgy", shape=(40, 36, 48), seed=5)
@@ -134,7 +134,7 @@ def test_a_classes_task_fine_tunes_from_random_init_and_scores_every_class(tmp_p
     cfg = JobConfig.from_toml(None, ["finetune.steps=2", "finetune.probe_steps=1", "finetune.batch_size=2",
                                      "finetune.validate_every=1", "finetune.test_augment=false",
                                      "train.threads_per_process=1"])
-    pairs = run.ingest_pairs(run.plan_pairs(made["segy"], str(tmp_path / "classes.npy")), root, cfg)
+    pairs = ingest_pairs(run.plan_pairs(made["segy"], str(tmp_path / "classes.npy")), root, cfg.ingest)
     job = run.node_job(cfg, pairs, run.resolve_encoder("random", root, cfg), "classes:3", str(tmp_path / "run"))
     summary = ftjob.fine_tune(job)
     assert summary["steps"] == 2 and [s for s, _ in summary["validation"]] == [0, 1, 2]

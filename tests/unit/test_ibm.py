@@ -11,7 +11,7 @@ import numpy as np
 import segyio
 import segyio._segyio  # noqa: F401  (segyio.tools.native needs the extension loaded)
 
-from sfm.ingest.segy_traces import _ibm_to_float32
+from sfm.formats.segy_traces import _ibm_to_float32
 from support.ibm_words import edge_words, ibm2ieee_float32, moderate_words, random_words
 
 

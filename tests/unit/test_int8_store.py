@@ -20,7 +20,7 @@ from support.crop_stores import as_delivered, crops_of, segy_with_holes, stream
 from sfm import data
 from sfm.config import INGEST_DTYPES, IngestConfig
 from sfm.errors import SFMError
-from sfm.ingest.contracts import read_store_attrs
+from sfm.formats.contracts import read_store_attrs
 from sfm.ingest.survey import ingest_survey
 
 CROP = (16, 16, 16)

@@ -11,10 +11,11 @@ import pytest
 from support import ingest_cases
 
 from sfm.errors import SFMError
-from sfm.ingest import manifest
-from sfm.ingest.labels import ingest_labels, open_labels
+from sfm.formats import manifest
+from sfm.formats.label_store import open_labels
+from sfm.ingest.labels import ingest_labels
 from sfm.ingest.survey import ingest_survey
-from sfm.ingest.synth import SegyOptions, synth_survey, write_segy
+from sfm.synth.survey import SegyOptions, synth_survey, write_segy
 
 SHAPE = (24, 20, 32)
 

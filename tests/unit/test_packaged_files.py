@@ -1,8 +1,8 @@
 """Every file the package reads at run time is inside it (issue 46): the data contracts, the default job
 config and the flow `sfm watch` runs, read through importlib.resources, listed in pyproject's package-data.
 
-In a checkout ``sfm/data_contracts`` and ``sfm/flows/pretrain_flow.py`` link to the documented top-level
-``data_contracts/`` and ``flows/pretrain_flow.py``, so the two faces cannot drift; the installed-package test
+The data contracts are a real folder of the package (``sfm/data_contracts``, no link); ``sfm/flows/pretrain_flow.py``
+links to the documented top-level ``flows/pretrain_flow.py``; the installed-package test
 (tests/integration/test_installed_package.py) checks that a built wheel carries the same bytes.
 """
 
@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 from sfm.config import DEFAULT_TOML
-from sfm.ingest.contracts import CONTRACTS_DIR
+from sfm.formats.contracts import CONTRACTS_DIR
 from sfm.ops.watch import FLOW_FILE
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -23,10 +23,11 @@ SFM = PROJECT / "sfm"
 
 def test_packaged_contracts_are_the_documented_ones():
     packaged = resources.files("sfm") / "data_contracts"
-    assert Path(str(packaged)).resolve() == PROJECT / "data_contracts"  # the package's folder points at the top
-    top = {p.name: p.read_bytes() for p in (PROJECT / "data_contracts").glob("*.json")}
-    assert len(top) >= 5
-    assert {p.name: p.read_bytes() for p in packaged.iterdir() if p.name.endswith(".json")} == top
+    folder = SFM / "data_contracts"
+    assert folder.is_dir() and not folder.is_symlink()  # a real folder: a checkout without links works
+    assert not any(p.is_symlink() for p in folder.iterdir())
+    assert len(list(folder.glob("*.schema.json"))) >= 5
+    assert Path(str(packaged)).resolve() == folder.resolve()
     assert str(CONTRACTS_DIR) == str(packaged)
 
 
@@ -39,7 +40,7 @@ def test_packaged_flow_is_the_documented_entry_point():
 def test_package_data_carries_every_packaged_file():
     patterns = tomllib.loads((PROJECT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["sfm"]
     carried = {p.resolve() for pattern in patterns for p in SFM.glob(pattern)}
-    read_at_run_time = [DEFAULT_TOML, FLOW_FILE, *(PROJECT / "data_contracts").glob("*.json")]
+    read_at_run_time = [DEFAULT_TOML, FLOW_FILE, *(SFM / "data_contracts").glob("*.json")]
     assert all(p.resolve() in carried for p in read_at_run_time), sorted(set(read_at_run_time) - carried)
 
 
@@ -49,6 +50,6 @@ def test_no_module_finds_files_through_its_own_path():
     offenders = []
     for path in sorted(SFM.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Name) and node.id == "__file__" and path.name != "pipeline.py":
+            if isinstance(node, ast.Name) and node.id == "__file__" and path.name != "registry.py":
                 offenders.append(f"{path.relative_to(SFM)}:{node.lineno}")
     assert not offenders, offenders

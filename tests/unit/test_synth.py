@@ -18,8 +18,8 @@ import segyio
 
 from sfm.cli import main
 from sfm.errors import SFMError
-from sfm.ingest.geology import synthesize_volume
-from sfm.ingest.synth import SegyOptions, synth_survey, write_segy
+from sfm.synth.geology import synthesize_volume
+from sfm.synth.survey import SegyOptions, synth_survey, write_segy
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = (6, 5, 64)  # IL, XL, NS: small, and IL != XL so a transposed cube cannot pass by accident
@@ -234,13 +234,13 @@ def test_fault_labels_beside_the_segy(tmp_path, capsys, expected):
 
 
 def test_failed_write_leaves_no_partial_survey(tmp_path, monkeypatch):
-    import sfm.ingest.synth
+    import sfm.synth.survey
 
     def broken_write(path, *args, **kwargs):
         Path(path).write_bytes(b"half a file")
         raise OSError("disk full")
 
-    monkeypatch.setattr(sfm.ingest.synth, "write_segy", broken_write)
+    monkeypatch.setattr(sfm.synth.survey, "write_segy", broken_write)
     with pytest.raises(OSError):
         synth_survey(tmp_path / "survey.sgy", shape=SHAPE)
     assert os.listdir(tmp_path) == []

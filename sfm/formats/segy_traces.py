@@ -5,7 +5,7 @@ from S3: :mod:`sfm.storage.ranged_file`) and converts their samples to float32: 
 and IEEE formats, so the values equal what ``segyio`` reads (formats 2, 3, 5, 6, 8, 9, 10, 11, 12, 16),
 and an exact converter for IBM floats (format 1), equal to ``ibm2ieee`` for every word and so to
 segyio for normalised ones within float32's range; in either byte order, with or without SEG-Y rev 2
-trace header extensions. The file's layout comes from :func:`sfm.ingest.segy.read_layout`.
+trace header extensions. The file's layout comes from :func:`sfm.formats.segy.read_layout`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from sfm.errors import SFMError
-from sfm.ingest.segy import READ_BUFFER_BYTES, SAMPLE_FORMATS, TRACE_HEADER_BYTES, SegyLayout
+from sfm.formats.segy import READ_BUFFER_BYTES, SAMPLE_FORMATS, TRACE_HEADER_BYTES, SegyLayout
 from sfm.storage.ranged_file import open_ranged
 
 

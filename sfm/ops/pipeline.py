@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 from sfm import storage
 from sfm.model import registry
-from sfm.ingest import manifest
+from sfm.formats import manifest
 from sfm.config import JobConfig, SynthConfig
 from sfm.errors import SFMError
 
@@ -74,7 +73,7 @@ def plan_surveys(surveys: str, held_out: str, data_root: str, synth: SynthConfig
     error naming it.
     """
     from sfm.ingest.mdio_source import inspect, is_mdio
-    from sfm.ingest.segy import BINARY_HEADER_BYTES, TEXT_HEADER_BYTES, layout_from_header
+    from sfm.formats.segy import BINARY_HEADER_BYTES, TEXT_HEADER_BYTES, layout_from_header
 
     train_urls, held_urls = storage.split_urls(surveys), storage.split_urls(held_out)
     if not train_urls:
@@ -108,7 +107,7 @@ def plan_surveys(surveys: str, held_out: str, data_root: str, synth: SynthConfig
 def generate_demo_surveys(data_root: str, synth: SynthConfig | None = None) -> list[dict[str, Any]]:
     """Write the generated surveys (and their fault labels) into ``<data_root>/landing``: ``synth``'s
     training surveys ``demo-train-<k>`` (seed k) and held-out ``demo-heldout-<k>`` (seed 500 + k)."""
-    from sfm.ingest.synth import synth_survey
+    from sfm.synth.survey import synth_survey
 
     synth = synth or SynthConfig()
     if synth.train_surveys < 1 or synth.held_out_surveys < 1:
@@ -257,27 +256,13 @@ def evaluate(model_url: str, held_out_stores: list[str], cfg: JobConfig) -> tupl
     return metrics, figures
 
 
-def code_version() -> str:
-    """The package version plus the git commit of the checkout, when there is one."""
-    import sfm
-
-    here = Path(__file__).resolve().parent
-    try:
-        top, _, commit = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short=12", "HEAD"],
-                                        capture_output=True, text=True, cwd=here, timeout=10).stdout.partition("\n")
-    except (OSError, subprocess.SubprocessError):
-        top, commit = "", ""
-    commit = commit.strip() if top and Path(top) == here.parent else ""  # not another repository a venv sits in
-    return f"{sfm.__version__}+g{commit}" if commit else sfm.__version__
-
-
 def register(data_root: str, cfg: JobConfig, *, model_url: str, metrics: dict, run_pathspec: str,
              surveys: list[str], held_out: list[str], snapshots: dict[str, str] | None = None) -> dict[str, Any]:
     """Register the trained model with its lineage (run, manifest version, code, surveys, parent weights,
     and the models exported part-way through training: {step: URL})."""
     lineage = {
         "run_pathspec": run_pathspec, "manifest_version": manifest.version(data_root),
-        "code_version": code_version(), "surveys": surveys, "held_out_surveys": held_out,
+        "code_version": registry.code_version(), "surveys": surveys, "held_out_surveys": held_out,
         "init_from": cfg.train.init_from, "snapshots": snapshots or {},
     }
     record = registry.register(data_root, cfg.registry.model_name, model_url, config=cfg.to_dict(),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sfm.eval.labelled import Volume
+from sfm.synth.geology import Volume
 
 
 def ranked(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

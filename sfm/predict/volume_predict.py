@@ -1,17 +1,40 @@
 """Whole-volume fault probability from a network that segments fixed-size crops.
 
-A volume is cut into the crops the network takes (:func:`sfm.eval.labelled.tiles`); their sigmoid
+A volume is cut into the crops the network takes (:func:`tiles`); their sigmoid
 probabilities are put back in place and averaged where crops overlap. With test-time augmentation
 the crops slide every half crop and each is also seen mirrored (nnU-Net's inference).
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
 from torch import nn
 
-from sfm.eval.labelled import cut, tiles
+
+def tile_origins(n: int, c: int, step: int | None = None) -> list[int]:
+    """Crop origins along an axis of ``n`` voxels: every ``step`` (default ``c``: no overlap), plus one flush
+    with the end if needed."""
+    if n < c:
+        raise ValueError(f"a labelled volume axis of {n} voxels is smaller than the model's crop of {c}")
+    origins = list(range(0, n - c + 1, step or c))
+    return origins if origins[-1] + c == n else origins + [n - c]
+
+
+def tiles(shape: Sequence[int], crop: Sequence[int], overlap: bool = False) -> list[tuple[int, int, int]]:
+    """Origins of the crops that cover a volume of ``shape``: overlapping only at the far ends, or with
+    ``overlap`` every half crop (sliding windows, so every voxel is seen from several contexts)."""
+    axes = [tile_origins(n, c, max(1, c // 2) if overlap else None) for n, c in zip(shape, crop)]
+    return [(i, j, k) for i in axes[0] for j in axes[1] for k in axes[2]]
+
+
+def cut(volume: np.ndarray, origins: list[tuple[int, int, int]], crop: Sequence[int]) -> torch.Tensor:
+    """The crops of ``volume`` [IL, XL, NS] at ``origins`` -> [M, 1, D, H, W] float32."""
+    d, h, w = crop
+    return torch.from_numpy(np.stack([volume[i:i + d, j:j + h, k:k + w] for i, j, k in origins]))[:, None].float()
+
 
 
 def mirrorings(crop: tuple[int, int, int]) -> list[tuple[bool, bool, bool]]:

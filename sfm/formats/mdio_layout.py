@@ -102,7 +102,7 @@ def decode_trace_headers(raw: np.ndarray, endian: str) -> np.ndarray:
 
 def decode_binary_header(head: bytes, endian: str, revision: str, samples: int) -> dict[str, int]:
     """The binary header of the file whose first 3600 bytes are ``head``, in the ``segy`` library's rev-1 names.
-    ``revision`` ("major.minor", as :func:`sfm.ingest.segy.read_layout` read it) and ``samples`` (the trace
+    ``revision`` ("major.minor", as :func:`sfm.formats.segy.read_layout` read it) and ``samples`` (the trace
     length, which MDIO's export takes from samples_per_trace; rev-2 files may hold it at byte 3269 only)
     are the layout's."""
     binary = np.frombuffer(head[3200:3600], dtype=_file_dtype(BINARY_HEADER_FIELDS, endian, 3201, 400))[0]
@@ -117,7 +117,7 @@ def decode_binary_header(head: bytes, endian: str, revision: str, samples: int) 
 
 def text_header_lines(raw: bytes, encoding: str) -> str:
     """The 3200-byte textual header ``raw`` as MDIO keeps it and writes it back: 40 lines of 80 characters
-    joined by newlines, EBCDIC (``encoding``, as :func:`sfm.ingest.segy.decode_text_header` found it)
+    joined by newlines, EBCDIC (``encoding``, as :func:`sfm.formats.segy.decode_text_header` found it)
     decoded by the table MDIO's export encodes with (:data:`_EBCDIC_TO_ASCII`), so that every byte with an
     ASCII character there is written back as it was; the others become spaces."""
     data = raw[:3200].ljust(3200, b" ")
@@ -129,7 +129,7 @@ def text_header_lines(raw: bytes, encoding: str) -> str:
 
 def file_header_attributes(head: bytes, layout, encoding: str) -> dict[str, Any]:
     """``segy_file_header``'s attributes: ``textHeader`` and ``binaryHeader`` of the file whose first 3600
-    bytes are ``head`` (``layout``: its :class:`sfm.ingest.segy.SegyLayout`; ``encoding``: its text's)."""
+    bytes are ``head`` (``layout``: its :class:`sfm.formats.segy.SegyLayout`; ``encoding``: its text's)."""
     return {"textHeader": text_header_lines(head, encoding),
             "binaryHeader": decode_binary_header(head, layout.endian, layout.revision, layout.samples)}
 
@@ -164,14 +164,14 @@ def sample_coordinate(domain: str, start_ms: float, interval_us: int, samples: i
 
 
 def create_arrays(group, layout, bricks: tuple[int, int, int]) -> None:
-    """MDIO's ``segy_file_header`` and ``headers`` in ``group`` (a :class:`sfm.ingest.zarr_writer.GroupWriter`):
+    """MDIO's ``segy_file_header`` and ``headers`` in ``group`` (a :class:`sfm.formats.zarr_writer.GroupWriter`):
     metadata only; the header chunks come with the traces (:func:`write_headers`), one per brick column."""
     import warnings
 
     from zarr.codecs import BloscCodec, ZstdCodec
     from zarr.errors import UnstableSpecificationWarning
 
-    from sfm.ingest.segy import decode_text_header
+    from sfm.formats.segy import decode_text_header
     from sfm.storage.ranged_file import open_ranged
 
     with open_ranged(layout.path) as source:

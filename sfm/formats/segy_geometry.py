@@ -1,5 +1,5 @@
 """The (inline, crossline) grid of a post-stack SEG-Y file, from the trace header fields
-:func:`sfm.ingest.segy.scan_file` read: :func:`build_geometry`.
+:func:`sfm.formats.segy.scan_file` read: :func:`build_geometry`.
 
 It finds the byte pair that holds the line numbers (189/193 first, the CDP coordinates 181/185
 last, said so when taken), builds the full regular grid, and refuses what ingest cannot store
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sfm.errors import SFMError
-from sfm.ingest.segy import (CDP_COORDINATE_PAIR, CDP_X_FIELD, CDP_Y_FIELD, COMMON_BYTE_PAIRS, DEFAULT_BYTE_PAIR,
+from sfm.formats.segy import (CDP_COORDINATE_PAIR, CDP_X_FIELD, CDP_Y_FIELD, COMMON_BYTE_PAIRS, DEFAULT_BYTE_PAIR,
                              DELAY_FIELD, OFFSET_FIELD, SAMPLE_COUNT_FIELD, SCALAR_FIELD, SegyLayout)
 
 

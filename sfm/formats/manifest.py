@@ -19,10 +19,18 @@ import json
 from typing import Any
 
 from sfm import storage
-from sfm.ingest.contracts import validate
+from sfm.formats.contracts import validate
 
 COLUMNS = ["survey_id", "name", "source_url", "store_url", "shape", "live_traces", "checksum",
            "sample_format", "sample_interval_us", "sample_start_ms", "dtype", "ingested_at", "stats_json"]
+
+
+_HEX = set("0123456789abcdef")
+
+
+def is_id(text: str) -> bool:
+    """A survey or label id: 16 hex digits (what the manifest names them by)."""
+    return len(text) == 16 and set(text) <= _HEX
 
 
 def survey_store_url(data_root: str, survey_id: str) -> str:
@@ -31,7 +39,7 @@ def survey_store_url(data_root: str, survey_id: str) -> str:
 
 
 def make_row(attrs: dict[str, Any], store_url: str, stats: dict[str, Any]) -> dict[str, Any]:
-    """A survey's row (data_contracts/manifest_row.schema.json) from its store's root attributes; ``ingested_at``
+    """A survey's row (sfm/data_contracts/manifest_row.schema.json) from its store's root attributes; ``ingested_at``
     is now."""
     made = {"store_url": store_url, "ingested_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "stats_json": json.dumps(stats, sort_keys=True)}
@@ -132,7 +140,7 @@ def label_row_url(data_root: str, label_id: str) -> str:
 
 
 def publish_labels(data_root: str, row: dict[str, Any]) -> bool:
-    """Make a label set visible (data_contracts/label_row.schema.json), as :func:`publish` a survey: False
+    """Make a label set visible (sfm/data_contracts/label_row.schema.json), as :func:`publish` a survey: False
     when its row exists already."""
     return _publish_row(label_row_url(data_root, row["label_id"]), "label_row", row, row.get("name", "?"))
 

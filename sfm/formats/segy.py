@@ -6,10 +6,10 @@ The file is read in two passes, both in bounded memory:
    survey's identity, :data:`DIGEST_ALGORITHM`) and, on the other cores meanwhile, keeps a few integer
    fields of each 240-byte trace header (any 4- or 2-byte position, not only the fields segyio names);
    :func:`scan_range` does the same for one range of pieces, so several tasks can scan one file.
-2. :class:`sfm.ingest.segy_traces.TraceReader` reads runs of consecutive traces and converts their
+2. :class:`sfm.formats.segy_traces.TraceReader` reads runs of consecutive traces and converts their
    samples to float32, equal to what ``segyio`` reads.
 
-:func:`sfm.ingest.segy_geometry.build_geometry` turns the header fields into the (inline, crossline)
+:func:`sfm.formats.segy_geometry.build_geometry` turns the header fields into the (inline, crossline)
 grid. Problems a user can cause raise :class:`SFMError` naming the file and the fix.
 """
 

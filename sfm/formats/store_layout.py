@@ -1,9 +1,8 @@
-"""The store layout's constants: the bricks' codec, the statistics kept, the threads ingest uses
-(the settings themselves are :class:`sfm.config.IngestConfig`)."""
+"""The store layout's constants: the bricks' codec, the statistics kept, the shards' size, and how shard rows
+split into parts (the settings themselves are :class:`sfm.config.IngestConfig`)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from sfm.config import CODEC_NAMES, IngestConfig, codec_settings  # noqa: F401  (CODEC_NAMES: the choices)
@@ -29,9 +28,8 @@ def codec_spec(codec: str) -> dict[str, Any]:
 AMPLITUDE_CODEC = codec_spec(DEFAULT_CODEC)
 
 
-
-def ingest_threads(cfg: IngestConfig, remote: bool = False) -> int:
-    """Threads to use. Writing a local store is CPU work (page-cache copies), so one thread per core
-    (more only thrash the caches, BENCHMARKS.md "Ingest"); PUTs to S3 wait on the network, so two
-    more threads keep the cores busy meanwhile."""
-    return int(cfg.workers) or min(16, (os.cpu_count() or 1) + (2 if remote else 0))
+def split_runs(count: int, parts: int) -> list[tuple[int, int]]:
+    """``count`` consecutive items (shard rows) split into at most ``parts`` contiguous runs [(lo, hi)], as even
+    as can be: the parts of an ingest or a prediction."""
+    parts = max(1, min(parts, count))
+    return [(count * k // parts, count * (k + 1) // parts) for k in range(parts)]

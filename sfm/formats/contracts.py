@@ -1,7 +1,6 @@
-"""Validation against the machine-readable schemas in ``data_contracts/``.
-
-They are read from inside the package (``sfm/data_contracts``, through importlib.resources): in a
-checkout that folder links to the top-level ``data_contracts/``, and a built wheel carries the files.
+"""Validation against the machine-readable schemas in ``sfm/data_contracts/``: what crosses a boundary
+(store attributes, manifest and registry rows), read through importlib.resources, in a checkout and in an
+installed wheel alike.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Synthetic post-stack seismic surveys: a volume that looks like geology, written as real SEG-Y.
 
-The volume and its fault labels come from :func:`sfm.ingest.geology.synthesize_volume` (FaultSeg3D's
+The volume and its fault labels come from :func:`sfm.synth.geology.synthesize_volume` (FaultSeg3D's
 forward model).
 
 :func:`write_segy` writes any ``[IL, XL, NS]`` volume with segyio in formats 1, 3, 5 or 8, either
@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from sfm.errors import SFMError
-from sfm.ingest.geology import SAMPLE_INTERVAL_US, synthesize_volume
+from sfm.synth.geology import SAMPLE_INTERVAL_US, synthesize_volume
 
 log = logging.getLogger(__name__)
 

@@ -372,7 +372,7 @@ class GroupWriter:
         self.root.attrs.put(attributes)
         with warnings.catch_warnings():  # consolidated metadata is a zarr-python extension to v3; xarray uses it
             warnings.simplefilter("ignore", category=UserWarning)
-            # as are the structured and string types of the MDIO layout's headers (sfm.ingest.mdio_layout)
+            # as are the structured and string types of the MDIO layout's headers (sfm.formats.mdio_layout)
             warnings.simplefilter("ignore", category=zarr.errors.UnstableSpecificationWarning)
             zarr.consolidate_metadata(self.memory)
         self._copy(["zarr.json"])

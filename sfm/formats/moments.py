@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from sfm.ingest.options import PERCENTILES
+from sfm.formats.store_layout import PERCENTILES
 
 
 @dataclass

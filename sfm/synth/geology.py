@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 SAMPLE_INTERVAL_US = 4000
+Volume = tuple[np.ndarray, np.ndarray]  # amplitude float32 [IL, XL, NS], fault labels uint8 [IL, XL, NS]
 
 
 def synthesize_volume(shape: tuple[int, int, int], seed: int) -> tuple[np.ndarray, np.ndarray]:
