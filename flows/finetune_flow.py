@@ -13,21 +13,10 @@ The recipe is the ``[finetune]`` section of the job config (sfm/config.py: Finet
 import tomllib
 
 from metaflow import (Config, FlowSpec, Parameter, card, config_expr, current, parallel, step)
-from metaflow.exception import MetaflowException
 
 from sfm.config import DEFAULT_TOML
 from sfm.ops.cluster import job_of  # noqa: F401  (used by the config expressions below)
-
-
-class SFMInputError(MetaflowException):
-    headline = "sfm input error"
-
-
-def user_errors():
-    """Report errors the user can fix as one line (no traceback); bugs keep theirs."""
-    from sfm.errors import reported_as
-
-    return reported_as(SFMInputError)
+from sfm.user_errors import in_flow
 
 
 class FinetuneFlow(FlowSpec):
@@ -60,7 +49,7 @@ class FinetuneFlow(FlowSpec):
         from sfm.config import JobConfig
         from sfm.finetune import run
 
-        with user_errors():
+        with in_flow():
             cfg = JobConfig.from_dict(dict(self.config))
             cfg.set("finetune.seed", self.seed)
             fraction = run.held_out_fraction(self.held_out)
@@ -80,7 +69,7 @@ class FinetuneFlow(FlowSpec):
         from sfm.config import JobConfig
         from sfm.ingest.labels import ingest_pairs
 
-        with user_errors():
+        with in_flow():
             self.pairs = ingest_pairs(self.plan, self.root, JobConfig.from_dict(self.job_config).ingest)
         self.next(self.launch)
 
@@ -93,7 +82,7 @@ class FinetuneFlow(FlowSpec):
         from sfm.finetune import run
 
         run_root = pipeline.run_root(self.root, current.flow_name, current.run_id)
-        with user_errors():
+        with in_flow():
             self.job = run.node_job(JobConfig.from_dict(self.job_config), self.pairs, self.encoder_ref, self.task,
                                     storage.normalize(run_root))
         self.next(self.finetune, num_parallel=self.nodes)
@@ -103,7 +92,7 @@ class FinetuneFlow(FlowSpec):
     def finetune(self):
         from sfm.finetune import run
 
-        with user_errors():
+        with in_flow():
             self.summary = run.finetune_node(self.job, nodes=current.parallel.num_nodes,
                                              procs_per_node=self.procs_per_node,
                                              node_index=current.parallel.node_index,
@@ -120,7 +109,7 @@ class FinetuneFlow(FlowSpec):
 
         self.merge_artifacts(inputs, exclude=["summary"])
         self.summary = next(i.summary for i in inputs if i.summary is not None)
-        with user_errors():
+        with in_flow():
             self.metrics, figures = run.evaluate(self.job, self.summary)
         for component in finetune_components(self.metrics, self.summary, figures, self.job["lineage"]):
             current.card["finetune"].append(component)
@@ -133,7 +122,7 @@ class FinetuneFlow(FlowSpec):
         from sfm.finetune import run
 
         pathspec = f"{current.flow_name}/{current.run_id}"
-        with user_errors():
+        with in_flow():
             record = run.register(self.root, self.task_name, self.job, self.summary, self.metrics, pathspec)
         self.model_name, self.model_version, self.champion = record["model_name"], record["version"], record["champion"]
         Run(pathspec).add_tag(f"model:{self.model_name}:v{self.model_version}")

@@ -11,20 +11,9 @@ Each step calls one function of ``sfm.predict`` and keeps only small artifacts (
 """
 
 from metaflow import FlowSpec, Parameter, retry, step
-from metaflow.exception import MetaflowException
 
 from sfm.predict.parts import PredictOptions
-
-
-class SFMInputError(MetaflowException):
-    headline = "sfm input error"
-
-
-def user_errors():
-    """Report errors the user can fix as one line (no traceback); bugs keep theirs."""
-    from sfm.errors import reported_as
-
-    return reported_as(SFMInputError)
+from sfm.user_errors import in_flow
 
 
 class PredictFlow(FlowSpec):
@@ -48,7 +37,7 @@ class PredictFlow(FlowSpec):
         opts = PredictOptions(model=self.model, survey=self.survey, out=self.out, data_root=self.data_root,
                               output=self.output, mirror=self.mirror, layout=self.layout, segy=self.segy,
                               parts=self.parts, overlap=self.overlap, batch_size=self.batch_size)
-        with user_errors():
+        with in_flow():
             plan = plan_prediction(opts)
         self.store_url, self.part_ids = plan.out, list(range(len(plan.rows)))
         self.next(self.predict, foreach="part_ids")
@@ -61,7 +50,7 @@ class PredictFlow(FlowSpec):
         from sfm.predict import run_part
         from sfm.predict.store import staged_plan
 
-        with user_errors():
+        with in_flow():
             self.part = run_part(staged_plan(self.store_url), self.input)
         print(f"sfm predict: part {self.input + 1} of {len(self.part_ids)}: {self.part}")
         self.next(self.publish)
@@ -73,7 +62,7 @@ class PredictFlow(FlowSpec):
 
         self.merge_artifacts(inputs, include=["store_url", "part_ids"])
         self.results = sorted((i.part for i in inputs), key=lambda r: r["part"])
-        with user_errors():
+        with in_flow():
             self.attrs = publish_prediction(staged_plan(self.store_url))
         self.next(self.end)
 

@@ -18,23 +18,12 @@ import tomllib
 
 from metaflow import (Config, FlowSpec, Parameter, card, config_expr, current, environment, parallel, resources,
                       retry, schedule, step, trigger)
-from metaflow.exception import MetaflowException
 
 # used by the config expressions below
 from sfm.ops.cluster import job_of, kubernetes_placement, node_environment, pod_resources  # noqa: F401
 from sfm.config import DEFAULT_TOML
 from sfm.ops.schedule import schedule_cron, trigger_event  # noqa: F401
-
-
-class SFMInputError(MetaflowException):
-    headline = "sfm input error"
-
-
-def user_errors():
-    """Report errors the user can fix as one line (no traceback); bugs keep theirs."""
-    from sfm.errors import reported_as
-
-    return reported_as(SFMInputError)
+from sfm.user_errors import in_flow
 
 
 @schedule(cron=config_expr("schedule_cron(config)"), daily=config_expr("schedule_cron(config) is not None"))
@@ -79,7 +68,7 @@ class PretrainFlow(FlowSpec):
         from sfm.ops import pipeline
         from sfm.config import JobConfig
 
-        with user_errors():
+        with in_flow():
             self.job = pipeline.job_config(dict(self.config), pipeline.Overrides(
                 preset=self.preset, max_steps=self.max_steps, nodes=self.nodes, procs_per_node=self.procs_per_node,
                 cp=self.cp, strategy=self.strategy, launcher=self.launcher,
@@ -89,7 +78,7 @@ class PretrainFlow(FlowSpec):
             self.plan = pipeline.plan_surveys(self.surveys, self.held_out, self.root,
                                              JobConfig.from_dict(self.job).synth)
         self.run_key = current.run_id  # a resumed run clones this step, so it keeps the original key
-        with user_errors():
+        with in_flow():
             self.scans = pipeline.plan_ingest(self.plan, self.root, JobConfig.from_dict(self.job), self.run_key,
                                               self.ingest_parts)
         self.next(self.scan, foreach="scans")
@@ -102,7 +91,7 @@ class PretrainFlow(FlowSpec):
         from sfm.ops import pipeline
         from sfm.config import JobConfig
 
-        with user_errors():
+        with in_flow():
             self.scanned = pipeline.scan_part(self.input, JobConfig.from_dict(self.job))
         self.next(self.plan_ingest)
 
@@ -113,7 +102,7 @@ class PretrainFlow(FlowSpec):
         from sfm.config import JobConfig
 
         self.merge_artifacts(inputs, include=["job", "root", "run_key"])
-        with user_errors():
+        with in_flow():
             self.parts = pipeline.plan_writes([i.scanned for i in inputs], self.root, JobConfig.from_dict(self.job))
         self.next(self.split_parts)
 
@@ -129,7 +118,7 @@ class PretrainFlow(FlowSpec):
         from sfm.ops import pipeline
         from sfm.config import JobConfig
 
-        with user_errors():
+        with in_flow():
             self.part = pipeline.ingest(self.input, JobConfig.from_dict(self.job))
         print(f"sfm ingest: part {self.part['part'] + 1} of {self.part['write_parts']} of {self.part['url']}: "
               f"{self.part['columns']} brick columns")
@@ -141,7 +130,7 @@ class PretrainFlow(FlowSpec):
         from sfm.formats import manifest
 
         self.merge_artifacts(inputs, include=["job", "root", "run_key"])
-        with user_errors():
+        with in_flow():
             surveys = pipeline.publish([i.part for i in inputs], self.root)
         for s in surveys:
             print(f"sfm ingest: {s['name']} -> {s['store_url']} ({s['status']})")
@@ -171,7 +160,7 @@ class PretrainFlow(FlowSpec):
         from sfm.config import JobConfig
 
         self.run_root = pipeline.run_root(self.root, current.flow_name, self.run_key)  # checkpoints, model, summary
-        with user_errors():
+        with in_flow():
             self.train_summary = pipeline.pretrain_node(
                 JobConfig.from_dict(self.job), train_stores=self.train_stores, run_root=self.run_root,
                 nodes=current.parallel.num_nodes, node_index=current.parallel.node_index,
@@ -192,7 +181,7 @@ class PretrainFlow(FlowSpec):
         self.train_summary = next(i.train_summary for i in inputs if i.train_summary is not None)
         self.model_url = self.train_summary["model_url"]
         cfg = JobConfig.from_dict(self.job)
-        with user_errors():
+        with in_flow():
             self.metrics, figures = pipeline.evaluate(self.model_url, self.held_out_stores, cfg)
             for component in evaluation_components(self.model_url, self.held_out_stores, self.train_summary,
                                                    self.metrics, figures):
@@ -207,7 +196,7 @@ class PretrainFlow(FlowSpec):
         from sfm.config import JobConfig
 
         pathspec = f"{current.flow_name}/{current.run_id}"
-        with user_errors():
+        with in_flow():
             record = pipeline.register(self.root, JobConfig.from_dict(self.job), model_url=self.model_url,
                                        metrics=self.metrics, run_pathspec=pathspec, surveys=self.train_stores,
                                        held_out=self.held_out_stores,

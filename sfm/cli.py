@@ -1,7 +1,7 @@
 """The `sfm` console script.
 
-Every subcommand turns a user-caused problem (:class:`sfm.errors.SFMError`) into one line on stderr
-and exit status 2; bugs keep their tracebacks.
+Every subcommand turns a user-caused problem (an :class:`sfm.errors.SFMError`, an unreachable bucket: the rule of
+:func:`sfm.user_errors.describe_user_error`) into one line on stderr and exit status 2; bugs keep their tracebacks.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 
 from sfm.config import INGEST_DTYPES, LAUNCHERS, STRATEGIES, IngestConfig
 from sfm.errors import SFMError
+from sfm.user_errors import exit_status
 
 
 def _cmd_synth(args: argparse.Namespace) -> None:
@@ -471,20 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         from sfm.storage.security import INSECURE_ENV
 
         os.environ[INSECURE_ENV] = "1"
-    try:
-        status = args.func(args)
-    except SFMError as err:
-        print(f"sfm {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except Exception as err:
-        from sfm.storage.clients import user_error
-
-        problem = user_error(err)
-        if problem is None:
-            raise
-        print(f"sfm {args.command}: error: {problem}", file=sys.stderr)
-        return 2
-    return status or 0
+    return exit_status(args.command, lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Accelerate as the launcher (``[dist] launcher = "accelerate"``): the config sfm starts a node's processes
 with, and the check a process started by ``accelerate launch`` makes of its environment.
 
-:func:`sfm.distributed.launch.node_command` runs ``python -m accelerate.commands.launch --config_file
-<launch_config> --max_restarts 0 -m sfm.train.trainer JOB.json`` on every node: Accelerate's multi-process
+:func:`sfm.distributed.launch.node_command` runs ``accelerate launch --config_file <launch_config> --max_restarts 0
+-m sfm.train.trainer JOB.json`` on every node (in :mod:`sfm.distributed.rank_launcher`): Accelerate's multi-process
 launch (torchrun in-process) with this node's rank and the rendezvous written in the file, so a node's
 ``~/.cache/huggingface/accelerate/default_config.yaml`` never changes the launch. The trainer creates its
 ``Accelerator`` as under torchrun (gloo ranks on CPU with ``cpu=True``).

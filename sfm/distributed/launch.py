@@ -26,6 +26,7 @@ from typing import Any, Callable
 from sfm import storage
 from sfm.config import JobConfig
 from sfm.errors import SFMError
+from sfm.user_errors import USER_ERROR_EXIT, exit_status
 
 
 def free_port() -> int:
@@ -100,25 +101,29 @@ def launch_node(job: dict[str, Any], *, nodes: int, procs_per_node: int, node_ra
 
 def job_file_main(argv: list[str] | None, module: str, command: str, run: Callable[[dict[str, Any]], Any]) -> int:
     """The ``python -m <module> JOB.json`` entry point of each process :func:`launch_node` starts: reads the
-    job file and calls ``run(job)``. Returns the exit code: 2 for a wrong command line or a user error
-    (:class:`SFMError`, printed as one line ``sfm <command>: error: ...``), 0 otherwise."""
+    job file and calls ``run(job)``. Returns the exit code: 2 for a wrong command line or a user error (one
+    line ``sfm <command>: error: ...``, :func:`sfm.user_errors.exit_status`), 0 otherwise."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print(f"usage: python -m {module} JOB.json", file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT
     with open(argv[0]) as fh:
         job = json.load(fh)
-    try:
+
+    def run_job() -> None:  # what run returns is the process's result, not its exit status
         run(job)
-    except SFMError as err:
-        print(f"sfm {command}: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+
+    return exit_status(command, run_job)
 
 
 def launcher_of(job: dict[str, Any]) -> str:
     """The job's ``dist.launcher`` (a job file's config may leave out what it does not change)."""
     return JobConfig.from_dict(job.get("config")).dist.launcher
+
+
+# what starts a node's ranks: torchrun or accelerate launch, run by sfm.distributed.rank_launcher so that a failed
+# rank is reported in one line rather than in the launcher's traceback
+RANK_LAUNCHER = (sys.executable, "-m", "sfm.distributed.rank_launcher")
 
 
 def node_command(job: dict[str, Any], node: NodeLaunch, folder: str, module: str = "sfm.train.trainer") -> list[str]:
@@ -142,9 +147,9 @@ def node_command(job: dict[str, Any], node: NodeLaunch, folder: str, module: str
             yaml.safe_dump(launch_config(node, precision), fh)
         # --same_network: torchrun meets at main_addr:main_port (the file's value is read only without the flag's
         # default, which argparse always gives)
-        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_path, "--same_network",
+        return [*RANK_LAUNCHER, "accelerate", "--config_file", config_path, "--same_network",
                 "--max_restarts", "0", *trainer]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={node.nodes}",
+    return [*RANK_LAUNCHER, "torchrun", f"--nnodes={node.nodes}",
             f"--nproc-per-node={node.procs_per_node}", f"--node-rank={node.node_rank}",
             f"--master-addr={node.main_addr}", f"--master-port={node.main_port}", "--max-restarts=0", *trainer]
 

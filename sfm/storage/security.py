@@ -1,11 +1,9 @@
-"""Security rules shared by every module: redact secrets from text, vet S3 endpoints and outside names.
+"""Security rules of the storage layer: vet S3 endpoints and outside names (credentials are taken out of any
+text by :func:`sfm.errors.redact`).
 
-Pure functions without I/O or heavy imports, so :mod:`sfm.errors` can redact every message it carries
-and :mod:`sfm.storage.objects` can enforce the rules where URLs and paths are built:
+Pure functions without I/O or heavy imports, so :mod:`sfm.storage.objects` can enforce the rules where URLs and
+paths are built:
 
-- :func:`redact` removes credentials from any text: userinfo in URLs (``scheme://user:pass@host``),
-  presigned-URL signatures and tokens, AWS access key ids, and the values of the credential
-  environment variables that are set in this process.
 - :func:`endpoint_problem` says why an S3 endpoint URL must not be used: plain HTTP is allowed only on
   loopback (``127.0.0.0/8``, ``::1``, ``localhost``) or with ``SFM_ALLOW_INSECURE_S3=1``; an endpoint
   never carries credentials.
@@ -17,48 +15,12 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import re
 import unicodedata
 from urllib.parse import unquote, urlsplit
 
+from sfm.errors import redact
+
 INSECURE_ENV = "SFM_ALLOW_INSECURE_S3"
-MASK = "***"
-
-# Environment variables whose values are secrets (or identify one) wherever they appear.
-SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID",
-              "AWS_CONTAINER_AUTHORIZATION_TOKEN", "AWS_WEB_IDENTITY_TOKEN")
-_SECRET_ENV_SUFFIXES = ("_SECRET", "_SECRET_KEY", "_SECRET_ACCESS_KEY", "_PASSWORD", "_TOKEN", "_ACCESS_KEY_ID",
-                        "_API_KEY", "_AUTH_KEY")
-_MIN_SECRET_LEN = 8  # shorter values ("1", "true") would redact ordinary words
-
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/?#@\s]+)@")
-_SIGNED_QUERY = re.compile(
-    r"(?P<key>\b(?:X-Amz-Signature|X-Amz-Credential|X-Amz-Security-Token|Signature|AWSAccessKeyId|"
-    r"x-amz-security-token)=)(?P<value>[^&\s\"']+)", re.IGNORECASE)
-_ACCESS_KEY_ID = re.compile(r"\b(?:AKIA|ASIA|AIDA|AROA)[A-Z0-9]{16}\b")
-_AUTH_HEADER = re.compile(r"(?P<key>\b(?:Authorization|X-Amz-Security-Token)['\"]?\s*[:=]\s*['\"]?)(?P<value>[^'\"\n,}]+)",
-                          re.IGNORECASE)
-
-
-def _secret_values() -> list[str]:
-    values = set()
-    for name, value in os.environ.items():
-        if name in SECRET_ENV or name.upper().endswith(_SECRET_ENV_SUFFIXES):
-            if value and len(value) >= _MIN_SECRET_LEN:
-                values.add(value)
-    return sorted(values, key=len, reverse=True)  # longest first: a secret containing another is masked whole
-
-
-def redact(text: str) -> str:
-    """``text`` with credentials replaced by ``***`` (URL userinfo, signatures, key ids, secret env values)."""
-    text = str(text)
-    for value in _secret_values():
-        if value in text:
-            text = text.replace(value, MASK)
-    text = _USERINFO.sub(lambda m: f"{m.group('scheme')}{MASK}@", text)
-    text = _SIGNED_QUERY.sub(lambda m: f"{m.group('key')}{MASK}", text)
-    text = _AUTH_HEADER.sub(lambda m: f"{m.group('key')}{MASK}", text)
-    return _ACCESS_KEY_ID.sub(MASK, text)
 
 
 def insecure_allowed() -> bool:
@@ -149,4 +111,4 @@ def name_problem(name: str) -> str | None:
     return None
 
 
-__all__ = ["redact", "endpoint_problem", "name_problem", "is_loopback_host", "insecure_allowed", "INSECURE_ENV"]
+__all__ = ["endpoint_problem", "name_problem", "is_loopback_host", "insecure_allowed", "INSECURE_ENV"]

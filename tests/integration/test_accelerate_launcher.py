@@ -69,7 +69,7 @@ def test_flow_pretrains_through_accelerate_launch_as_torchrun_does(tmp_path, met
     logs = result.stdout + result.stderr
     for rank in (0, 1):
         assert f"sfm: node {rank} of 2 starts 1 process(es) with accelerate: " in logs, logs[-4000:]
-    assert "-m accelerate.commands.launch --config_file" in logs and "torch.distributed.run" not in logs
+    assert "-m sfm.distributed.rank_launcher accelerate --config_file" in logs and " torchrun " not in logs
     view = client_view(result.pathspec, metaflow_env, cwd=str(tmp_path))
     summary = view["train_summary"]
     assert (summary["world_size"], summary["steps"], view["model_version"]) == (2, 6, 1)
@@ -120,8 +120,8 @@ def test_slurm_script_launches_its_nodes_through_accelerate(tmp_path, tmp_path_f
     plans = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [p["launch_node"]["node_rank"] for p in plans] == [0, 1]
     for rank, plan in enumerate(plans):
-        assert plan["command"][1:5] == ["-m", "accelerate.commands.launch", "--config_file",
-                                        plan["command"][4]] and "--same_network" in plan["command"]
+        assert plan["command"][1:5] == ["-m", "sfm.distributed.rank_launcher", "accelerate",
+                                        "--config_file"] and "--same_network" in plan["command"]
         launch_config = yaml.safe_load(plan["launch_files"]["accelerate_launch.yaml"])
         assert {k: launch_config[k] for k in ("distributed_type", "num_machines", "num_processes", "machine_rank",
                                               "main_process_ip", "main_process_port", "mixed_precision")} == \

@@ -24,7 +24,8 @@ from conftest import PROJECT, TEST_ACCESS_KEY, TEST_SECRET_KEY
 from sfm import storage
 from sfm.train import checkpoint
 from sfm.errors import SFMError
-from sfm.storage.security import endpoint_problem, is_loopback_host, name_problem, redact
+from sfm.errors import redact
+from sfm.storage.security import endpoint_problem, is_loopback_host, name_problem
 
 # AWS's documented example access key id, assembled here so that secret scanners looking for a
 # committed key (AKIA + 16 characters) do not flag a test fixture
@@ -211,7 +212,7 @@ def test_odd_landing_file_names_stay_inside_the_data_root_locally(tmp_path, segy
     outside = [p for p in new if p not in allowed and not p.startswith(tuple(f"{a}/" for a in allowed[1:]))]
     assert not outside, outside
     assert not any(tmp.iterdir()), "temporary files were left behind"
-    from sfm.ingest import manifest
+    from sfm.formats import manifest
 
     rows = manifest.read(str(data))
     # the name is metadata only (paths come from the content hash), with control characters replaced:

@@ -65,8 +65,8 @@ def launch_environment(*launch_args: str) -> dict[str, str]:
 
 
 def launch_arguments(command: list[str]) -> Any:
-    """Accelerate's reading of an ``accelerate launch`` command line (what it passes to torchrun)."""
-    start = command.index("accelerate.commands.launch") + 1
+    """Accelerate's reading of the ``accelerate launch`` arguments of a node's command (what it passes to torchrun)."""
+    start = command.index("accelerate") + 1  # after sfm.distributed.rank_launcher
     args, _, _ = accelerate_launch._validate_launch_command(accelerate_launch.launch_command_parser().parse_args(
         command[start:]))
     if args.multi_gpu:

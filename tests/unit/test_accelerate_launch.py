@@ -26,7 +26,7 @@ def test_a_node_is_launched_as_accelerate_reads_its_launch_config(tmp_path):
     for nodes, procs, rank in ((2, 1, 1), (1, 4, 0), (1, 1, 0)):
         node = launch.NodeLaunch(nodes, procs, rank, "10.1.2.3" if nodes > 1 else "127.0.0.1", port)
         command = launch.node_command(accelerate_job(), node, str(tmp_path))
-        assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+        assert command[:4] == [sys.executable, "-m", "sfm.distributed.rank_launcher", "accelerate"]
         assert command[-3:] == ["-m", "sfm.train.trainer", str(tmp_path / "job.json")]
         assert json.loads((tmp_path / "job.json").read_text()) == accelerate_job()
         args = launch_arguments(command)
@@ -50,7 +50,7 @@ def test_a_node_is_launched_as_accelerate_reads_its_launch_config(tmp_path):
 def test_torchrun_stays_the_default_launcher(tmp_path):
     node = launch.NodeLaunch(2, 8, 1, "10.1.2.3", 29400)
     command = launch.node_command({"config": {}}, node, str(tmp_path))
-    assert command[1:3] == ["-m", "torch.distributed.run"] and "--nnodes=2" in command and \
+    assert command[1:4] == ["-m", "sfm.distributed.rank_launcher", "torchrun"] and "--nnodes=2" in command and \
         "--node-rank=1" in command and "--master-addr=10.1.2.3" in command and "--nproc-per-node=8" in command
 
 
