@@ -7,11 +7,13 @@ reconstructs the dropped patches' voxels. The loss is MSE on the masked patches 
 
 Plain PyTorch: no process groups. Data parallelism, activation checkpointing policy, compile and
 context parallelism are applied from outside; ``Attention.attn_fn`` is the seam a context-parallel
-wrapper replaces.
+wrapper replaces. A model is saved and loaded as a folder (``save_pretrained`` / ``from_pretrained``:
+:mod:`sfm.model.hub`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields
 
@@ -19,6 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from sfm.errors import SFMError
+
+from .hub import CONFIG, WEIGHTS, HubFolder
 
 Int3 = tuple[int, int, int]
 TUBE_AXES = ("", "inline", "crossline", "sample")  # MAEConfig.mask_tube: "" or the axis a masked column runs along
@@ -242,7 +248,7 @@ class Block(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-class MaskedAutoencoder3D(nn.Module):
+class MaskedAutoencoder3D(nn.Module, HubFolder):
     """Masked Autoencoder with a 3D ViT backbone.
 
     Shapes: N batch, C channels, L patches (gd*gh*gw), K kept patches, E encoder width,
@@ -469,6 +475,29 @@ class MaskedAutoencoder3D(nn.Module):
             pred = self.forward_decoder(latent, ids_restore, grid)
         loss = self.forward_loss(imgs, pred, mask)
         return loss, pred, mask
+
+    # ---- a model folder (sfm.model.hub): the weights, and the config that rebuilds the model --------------
+
+    def folder_files(self, meta: dict | None = None) -> dict[str, bytes]:
+        """{model.safetensors: every tensor of the state dict, config.json: {"model": the MAEConfig, **meta}}."""
+        from safetensors.torch import save
+
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        config = {"model": self.cfg.to_dict(), **(meta or {})}
+        return {WEIGHTS: save(tensors), CONFIG: json.dumps(config, indent=2, sort_keys=True).encode()}
+
+    @classmethod
+    def from_folder_files(cls, config: bytes, weights: bytes, where: str) -> MaskedAutoencoder3D:
+        """The encoder a config.json and model.safetensors describe; a task model's are refused."""
+        from safetensors.torch import load
+
+        meta = json.loads(config)
+        if "task" in meta:
+            raise SFMError(f"{where} is a task model, not an encoder; load it with "
+                           "sfm.model.segmenter.Segmenter.from_pretrained")
+        model = cls(MAEConfig.from_dict(meta["model"]))
+        model.load_state_dict(load(weights))
+        return model
 
     def encode(self, imgs: torch.Tensor) -> torch.Tensor:
         """Features for downstream probes: all patches, no masking -> [N, L, E] after the final

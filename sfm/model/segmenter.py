@@ -27,7 +27,9 @@ import torch
 from torch import nn
 
 from sfm.config import LABEL_IGNORE
+from sfm.errors import SFMError
 
+from .hub import CONFIG, WEIGHTS, HubFolder
 from .mae import MAEConfig, MaskedAutoencoder3D
 
 HEADS = ("linear", "unetr")
@@ -122,11 +124,11 @@ class UNETRDecoder(nn.Module):
         return self.classify(self.fuse(fine))
 
 
-class Segmenter(nn.Module):
+class Segmenter(nn.Module, HubFolder):
     """An MAE's encoder plus a segmentation head: imgs [N, 1, D, H, W] -> logits [N, C, D, H, W] (C:
     :attr:`Task.channels`), on the encoder's device (inputs are moved there). ``crop``: the crop it was
     fine-tuned on (D, H, W), the window a whole-volume prediction slides; any size divisible by the
-    patch runs."""
+    patch runs. Saved and loaded as a folder: ``save_pretrained`` / ``from_pretrained`` (:mod:`sfm.model.hub`)."""
 
     def __init__(self, mae: MaskedAutoencoder3D, task: Task | None = None):
         super().__init__()
@@ -154,6 +156,20 @@ class Segmenter(nn.Module):
         """The linear head: final tokens [N, L, E] -> per-voxel logits [N, C, D, H, W]."""
         return voxels(self.head(tokens), grid, self.mae.cfg.patch)
 
+    def folder_files(self, meta: dict | None = None) -> dict[str, bytes]:
+        """{model.safetensors: the encoder and the head (not the MAE's reconstruction decoder), config.json:
+        {**meta, "model": the MAEConfig, "task": the Task}}."""
+        from safetensors.torch import save
+
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()
+                   if not k.startswith(DECODER_KEYS)}
+        config = {**(meta or {}), "model": self.mae.cfg.to_dict(), "task": self.task.to_dict()}
+        return {WEIGHTS: save(tensors), CONFIG: json.dumps(config, indent=2, sort_keys=True).encode()}
+
+    @classmethod
+    def from_folder_files(cls, config: bytes, weights: bytes, where: str) -> Segmenter:
+        return segmenter_from_files(config, weights, where)
+
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [N, C, ...] -> probabilities [N, C, ...]: the sigmoid of a binary task's one logit (of
         class 1), the softmax over the classes otherwise."""
@@ -162,28 +178,20 @@ class Segmenter(nn.Module):
 
 # ---- export --------------------------------------------------------------------------------------
 
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
-
 
 def save_segmenter(net: Segmenter, url: str, meta: dict | None = None) -> None:
     """Write ``url``/model.safetensors (encoder and head) and ``url``/config.json (``model``, ``task`` and
     ``meta``'s keys), the config last: the export is complete once it exists."""
-    from safetensors.torch import save as save_safetensors
-
     from sfm import storage  # lazy: the model package imports with torch alone
 
-    tensors = {k: v.detach().contiguous().cpu() for k, v in net.state_dict().items() if not k.startswith(DECODER_KEYS)}
-    storage.write_bytes(storage.join(url, WEIGHTS), save_safetensors(tensors))
-    config = {**(meta or {}), "model": net.mae.cfg.to_dict(), "task": net.task.to_dict()}
-    storage.write_bytes(storage.join(url, CONFIG), json.dumps(config, indent=2, sort_keys=True).encode())
+    files = net.folder_files(meta)
+    for name in (WEIGHTS, CONFIG):
+        storage.write_bytes(storage.join(url, name), files[name])
 
 
 def segmenter_from_files(config: bytes, weights: bytes, where: str) -> Segmenter:
     """The Segmenter a config.json and model.safetensors describe (``where`` names them in errors)."""
     from safetensors.torch import load as load_safetensors
-
-    from sfm.errors import SFMError
 
     meta = json.loads(config)
     if "task" not in meta:
@@ -202,6 +210,5 @@ def load_segmenter(url: str, map_location: str | torch.device = "cpu") -> Segmen
     """The task model exported at ``url`` (a folder, local or s3://, holding model.safetensors and config.json)."""
     from sfm import storage
 
-    config = storage.read_bytes(storage.join(url, CONFIG))
-    weights = storage.read_bytes(storage.join(url, WEIGHTS))
+    config, weights = (storage.read_bytes(storage.join(url, name)) for name in (CONFIG, WEIGHTS))
     return segmenter_from_files(config, weights, url).to(map_location)

@@ -414,8 +414,11 @@ def test_model_package_imports_only_torch():
     code = (
         "import sys, sfm.model\n"
         "assert callable(sfm.model.load) and callable(sfm.model.save)\n"
+        "from sfm.model.mae import MaskedAutoencoder3D\n"
+        "from sfm.model.segmenter import Segmenter\n"
+        "assert callable(MaskedAutoencoder3D.from_pretrained) and callable(Segmenter.save_pretrained)\n"
         "bad = [m for m in ('metaflow', 'zarr', 'segyio', 'boto3', 'fsspec', 's3fs', 'sfm.storage.objects',"
-        " 'torch.distributed.fsdp')"
+        " 'torch.distributed.fsdp', 'huggingface_hub', 'mlflow')"
         " if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )
