@@ -77,14 +77,15 @@ def _cmd_ingest_labels(args: argparse.Namespace) -> None:
 
 
 def _cmd_registry(args: argparse.Namespace) -> None:
-    """list: one JSON line per version (every model, encoders and task models, without --model); show: the
+    """list: one JSON line per version (every model, encoders and task models, without a model); show: the
     record; promote: force a version to champion; load: build the model (files checked against their sha256)
-    and, with --out, export it byte for byte."""
-    from sfm import storage
+    and, with --out, export it byte for byte; export: a Hugging Face model folder (with its model card), or the
+    files byte for byte; sync: log a version to MLflow and move its champion alias (sfm.model.mlflow_sync)."""
     from sfm.model import registry
 
     if args.action == "list":
-        for name in [args.model] if args.model else registry.models(args.data_root):
+        names = [args.ref or args.model] if args.ref or args.model else registry.models(args.data_root)
+        for name in names:
             champion = registry.champion_version(args.data_root, name)
             for version in registry.versions(args.data_root, name):
                 record = registry.get(args.data_root, name, version)
@@ -97,27 +98,47 @@ def _cmd_registry(args: argparse.Namespace) -> None:
                     line.update(task=record["lineage"]["task"], encoder=record["lineage"]["encoder"])
                 print(json.dumps({**line, "run": record["lineage"]["run_pathspec"]}))
         return
-    model_name = args.model or "sfm-mae"
-    version = registry.resolve(args.data_root, model_name, args.version)
+    if args.ref and (args.model or str(args.version) != "champion"):
+        raise SFMError(f"registry {args.action}: name the version once, as {args.ref} or with --model/--version")
+    if args.ref:
+        model_name, version = registry.resolve_reference(args.data_root, args.ref)
+    else:
+        model_name = args.model or "sfm-mae"
+        version = registry.resolve(args.data_root, model_name, args.version)
     if args.action == "show":
         record = registry.get(args.data_root, model_name, version)
         record["champion"] = registry.champion_version(args.data_root, model_name) == version
         record["url"] = registry.version_url(args.data_root, model_name, version)
         print(json.dumps(record, indent=1))
     elif args.action == "promote":
-        if str(args.version) == "champion":
-            raise SFMError("registry promote needs the version to promote: pass --version N")
-        registry.maybe_promote(args.data_root, model_name, version, force=True)
+        asked = args.ref.partition(":")[2] if args.ref else str(args.version)
+        if asked in ("", "champion"):
+            raise SFMError("registry promote needs the version to promote: sfm registry promote NAME:vN")
+        registry.promote(args.data_root, model_name, version, mlflow_uri=args.mlflow_uri)
         print(f"{model_name} v{version} is now the champion")
     elif args.action == "load":
         model = registry.load(args.data_root, model_name, version)
         if args.out:
-            for name, data in registry.verified_files(args.data_root, model_name, version).items():
-                storage.write_bytes(storage.join(args.out, name), data)
+            registry.export(args.data_root, model_name, version, args.out, "files")
         encoder = getattr(model, "mae", model)
         print(json.dumps({"model": model_name, "version": version, "config": encoder.cfg.to_dict(),
                           "task": model.task.to_dict() if hasattr(model, "task") else None,
                           "parameters": sum(p.numel() for p in model.parameters()), "saved_to": args.out or None}))
+    elif args.action == "export":
+        if not args.dir:
+            raise SFMError("registry export needs the folder to write: sfm registry export NAME:vN DIR")
+        files = registry.export(args.data_root, model_name, version, args.dir, args.format)
+        print(json.dumps({"model": model_name, "version": version, "format": args.format, "out": args.dir,
+                          "files": files}))
+        if args.format == "hf":
+            cls = "Segmenter" if registry.is_task_model(registry.get(args.data_root, model_name, version)) \
+                else "MaskedAutoencoder3D"
+            print(f"sfm registry export: {model_name} v{version} -> {args.dir} ({', '.join(files)}); load it with "
+                  f"{cls}.from_pretrained({args.dir!r}), or push it with: hf upload ORG/NAME {args.dir}",
+                  file=sys.stderr)
+    elif args.action == "sync":
+        if registry.sync_mlflow(args.data_root, model_name, version, args.mlflow_uri) is None:
+            raise SFMError("registry sync: no MLflow to log to; pass --mlflow-uri or set MLFLOW_TRACKING_URI")
 
 
 def _cmd_predict(args: argparse.Namespace) -> None:
@@ -344,14 +365,21 @@ def _add_data_commands(sub) -> None:
 
 def _add_model_commands(sub) -> None:
     """registry, watch, iam-policy, network-policy: registered models, retraining, the S3 and network policies."""
-    p = sub.add_parser("registry", help="list, show, promote or load registered model versions (encoders and "
-                       "task models)")
-    p.add_argument("action", choices=["list", "show", "promote", "load"])
+    p = sub.add_parser("registry", help="list, show, promote, load, export or sync (to MLflow) registered model "
+                       "versions (encoders and task models)")
+    p.add_argument("action", choices=["list", "show", "promote", "load", "export", "sync"])
+    p.add_argument("ref", nargs="?", default="", metavar="NAME[:vN]", help="the model version: NAME (its champion), "
+                   "NAME:vN, NAME:N, NAME:latest or NAME:champion (instead of --model and --version)")
+    p.add_argument("dir", nargs="?", default="", metavar="DIR", help="with export: the folder to write (local or s3://)")
     p.add_argument("--data-root", default="sfm_data", help="the flows' data root (default sfm_data)")
     p.add_argument("--model", default="", help="sfm-mae, a task model (sfm-<task>); default: list every model, "
-                   "show/promote/load sfm-mae")
+                   "show/promote/load/export/sync sfm-mae")
     p.add_argument("--version", default="champion", help="N, vN, latest or champion")
     p.add_argument("--out", default="", help="with load: export the model to this folder")
+    p.add_argument("--format", choices=["hf", "files"], default="hf", help="with export: hf, a Hugging Face model "
+                   "folder with a model card (default); files, the registered files byte for byte")
+    p.add_argument("--mlflow-uri", default="", help="with promote and sync: the MLflow tracking server (default: "
+                   "the version's [registry] mlflow_uri, else MLFLOW_TRACKING_URI)")
     p.set_defaults(func=_cmd_registry)
     p = sub.add_parser("watch", help="retrain when new SEG-Y lands: one flow run per batch of new surveys")
     p.add_argument("--landing", required=True, help="prefix where SEG-Y files arrive (local path or s3://)")

@@ -357,6 +357,21 @@ class RegistryConfig:
     # what makes a champion: a held-out metric every version records, e.g. masked_nmse or ft_ap_gain_b4;
     # lower is better for names ending in nmse, loss or error, higher for the others (sfm.model.registry.Champion)
     champion_metric: str = "masked_nmse"
+    # an MLflow tracking server every registered version is also logged to, and whose "champion" alias follows
+    # the champion (http(s)://host:port, a SageMaker MLflow tracking server's ARN with sagemaker-mlflow, ...);
+    # "": MLFLOW_TRACKING_URI if set, else none. The registry stays the source of truth (sfm.model.mlflow_sync)
+    mlflow_uri: str = ""
+
+    def check(self) -> None:
+        """A tracking URI without credentials (the job config travels: flow artifacts, the exported model's
+        config.json, the registry's records), or SFMError."""
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(self.mlflow_uri)
+        if parts.username or parts.password or parts.query:
+            raise SFMError("registry.mlflow_uri carries credentials (user:password@ or a query), which the job config "
+                           "would spread; give them as MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or "
+                           "MLFLOW_TRACKING_TOKEN and keep the URI bare")
 
 
 @dataclass
@@ -414,7 +429,7 @@ class JobConfig:
         """Every section valid (its ``check``) and the sections agree, or SFMError naming the key and the fix:
         the flow's ``start`` and ``sfm train`` call this before any survey is read. Whether the [model] settings
         make a model is the model layer's to check (:func:`sfm.model.model_config_for`), where a job starts."""
-        for section in (self.ingest, self.data, self.model, self.train, self.eval, self.finetune):
+        for section in (self.ingest, self.data, self.model, self.train, self.eval, self.finetune, self.registry):
             section.check()
         if self.data.batch_dtype == "int8" and self.ingest.dtype != "int8":
             raise SFMError(f"data.batch_dtype = \"int8\" delivers the stored int8 values, but ingest.dtype = "

@@ -41,6 +41,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_until_serving(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Whether ``url`` answered before ``proc`` (the server's process) exited or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return True
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+
+
 @pytest.fixture(scope="session")
 def segy_dir() -> Path:
     if not SEGY_DIR.is_dir():
@@ -59,15 +72,8 @@ class S3Server:
         cmd = [exe, "-H", "127.0.0.1", "-p", str(self.port)] if exe != sys.executable else \
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 30
-        while True:
-            try:
-                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1)
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"moto_server did not start; see {self.log.name}")
-                time.sleep(0.2)
+        if not wait_until_serving(self.endpoint + "/moto-api/", self.proc, timeout_s=30):
+            raise RuntimeError(f"moto_server did not start; see {self.log.name}")
 
     def env(self) -> dict[str, str]:
         return {

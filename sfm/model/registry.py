@@ -29,6 +29,12 @@ champion_metric``, ``masked_nmse`` by default, or a downstream gain such as ``ft
 model's held-out ``ap``) beats the champion's by at least the configured margin, unless promotion is
 forced. Encoders (``sfm-mae``) and task models (``sfm-<task>``, whose config.json has a ``task`` section:
 :mod:`sfm.model.segmenter`) live side by side; :func:`models` lists them all.
+
+A version folder is a Hugging Face model folder but for its card (``from_pretrained`` opens it:
+:mod:`sfm.model.hub`); :func:`export` writes one with the card. Users name a version by a reference,
+``NAME[:vN|:N|:latest|:champion]``, which :func:`resolve_reference` reads. Every registration and promotion is
+also logged to MLflow when one is configured (:func:`sync_mlflow`, :mod:`sfm.model.mlflow_sync`): the registry
+stays the source of truth, and an MLflow that fails costs one line, never the registration.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import hashlib
 import json
 import re
 import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -48,6 +55,8 @@ from sfm import storage
 from sfm.config import RegistryConfig
 from sfm.formats.contracts import validate
 from sfm.errors import SFMError
+from sfm.model import mlflow_sync
+from sfm.model.model_card import CARD, model_card
 
 METRIC = RegistryConfig.champion_metric  # the default champion metric (of encoders)
 LOWER_IS_BETTER = ("nmse", "loss", "error")  # metric names ending so are errors; every other metric is a score
@@ -138,6 +147,42 @@ def resolve(data_root: str, model_name: str, version: int | str = "champion") ->
     if not number.isdigit() or int(number) < 1:
         raise SFMError(f"version {version!r} is not a version; use N, vN, latest or champion")
     return int(number)
+
+
+_VERSION_WORDS = re.compile(r"^(v?\d+|latest|champion)$")
+
+
+def is_folder_url(text: str) -> bool:
+    """Whether ``text`` is a folder (a path with a '/', a leading '.', or a URL such as s3://...) rather than a
+    model reference: callers that accept either check this first."""
+    text = str(text).strip()
+    return "://" in text or "/" in text or text.startswith(".")
+
+
+def resolve_reference(data_root: str, ref: str, *, default_model: str = "") -> tuple[str, int]:
+    """The (model name, version number) a model reference names in ``data_root``'s registry, the version
+    checked to exist (complete):
+
+    - ``NAME``: its champion;
+    - ``NAME:vN`` or ``NAME:N``: version N; ``NAME:latest``: its newest version; ``NAME:champion``: its champion;
+    - with ``default_model`` (e.g. ``[registry] model_name``), a bare ``vN``, ``N``, ``latest`` or ``champion``
+      names a version of that model, as the flows' ``--encoder`` and ``--init-from`` take them.
+
+    A folder URL is not a reference (:func:`is_folder_url`); SFMError, naming the forms, for anything else."""
+    text = str(ref).strip()
+    if default_model and _VERSION_WORDS.match(text):
+        name, version = default_model, text
+    else:
+        name, sep, version = text.partition(":")
+        if not name or (sep and not version) or ":" in version or is_folder_url(text):
+            raise SFMError(f"{text!r} is not a model reference; use NAME, NAME:vN, NAME:latest or NAME:champion "
+                           "(e.g. sfm-mae:v3), or a model folder where one is accepted")
+    if not versions(data_root, name):  # also refuses a name the registry does not allow
+        raise SFMError(f"model {name!r} is not in the registry at {data_root}; see `sfm registry list "
+                       f"--data-root {data_root}`, or pass the --data-root it was registered in")
+    number = resolve(data_root, name, version or "champion")
+    get(data_root, name, number)  # a version that is not there (or not complete) is refused
+    return name, number
 
 
 def get(data_root: str, model_name: str, version: int | str = "champion") -> dict[str, Any]:
@@ -281,7 +326,88 @@ def register(data_root: str, model_name: str, model_url: str, *, config: dict, m
     validate("registry_version", record, f"{model_name} v{version}")
     storage.write_bytes(storage.join(target, "version.json"), json.dumps(record, indent=1, sort_keys=True).encode())
     record["champion"] = maybe_promote(data_root, model_name, version, champion=champion, force=force_champion)
+    mirrored = _mirror(data_root, model_name, version, config=config)
+    if mirrored is not None:
+        record["mlflow"] = mirrored
     return record
+
+
+def promote(data_root: str, model_name: str, version: int, *, mlflow_uri: str = "") -> None:
+    """Make ``version`` the champion whatever its metric (``sfm registry promote``), and move MLflow's
+    ``champion`` alias with it when MLflow is configured (see :func:`sync_mlflow` for ``mlflow_uri``)."""
+    maybe_promote(data_root, model_name, version, force=True)
+    _mirror(data_root, model_name, version, mlflow_uri)
+
+
+# ---- MLflow, a mirror ----------------------------------------------------------------------------
+
+
+def sync_mlflow(data_root: str, model_name: str, version: int, mlflow_uri: str = "", *,
+                config: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Log ``version`` to MLflow unless it is there already, and point the registered model's ``champion`` alias
+    at the registry's champion (:func:`sfm.model.mlflow_sync.publish`); prints one line and returns what it did,
+    or None when no MLflow is configured. The tracking URI: ``mlflow_uri``, else the ``[registry] mlflow_uri`` of
+    the job config the version was registered with (``config``, read from its record if not given), else
+    ``MLFLOW_TRACKING_URI``. SFMError (one line) when MLflow was not updated."""
+    if not mlflow_uri:
+        job = get(data_root, model_name, version)["config"] if config is None else config
+        mlflow_uri = (job.get("registry") or {}).get("mlflow_uri") or ""
+    uri = mlflow_sync.tracking_uri(mlflow_uri)
+    if not uri:
+        return None
+    outcome = mlflow_sync.publish(uri, RegisteredModel(data_root, model_name), version)
+    print(outcome["line"], flush=True)
+    return outcome
+
+
+def _mirror(data_root: str, model_name: str, version: int, mlflow_uri: str = "", *,
+            config: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """:func:`sync_mlflow` after a registration or promotion: an MLflow that was not updated is one line on stderr,
+    never an error (the registry, the source of truth, holds the change; ``sfm registry sync`` catches up)."""
+    try:
+        return sync_mlflow(data_root, model_name, version, mlflow_uri, config=config)
+    except SFMError as err:
+        print(f"sfm mlflow: {err}", file=sys.stderr, flush=True)
+        return {"error": str(err)}
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    """One model of a registry as a mirror or an export reads it: records, files and the champion."""
+
+    data_root: str
+    name: str
+
+    def record(self, version: int) -> dict[str, Any]:
+        return get(self.data_root, self.name, version)
+
+    def url(self, version: int) -> str:
+        return version_url(self.data_root, self.name, version)
+
+    def folder(self, version: int) -> dict[str, bytes]:
+        """The Hugging Face model folder of a version: its files (checked) plus a README.md model card."""
+        files = verified_files(self.data_root, self.name, version)
+        card = model_card(json.loads(files["config.json"]), self.record(version), weights=files["model.safetensors"])
+        return {**files, CARD: card.encode()}
+
+    def champion(self) -> int | None:
+        return champion_version(self.data_root, self.name)
+
+
+EXPORT_FORMATS = ("hf", "files")
+
+
+def export(data_root: str, model_name: str, version: int, out: str, fmt: str = "hf") -> list[str]:
+    """Write a version into the folder ``out`` (local or s3://) and return the file names: ``hf``, a Hugging Face
+    model folder (model.safetensors, config.json and a README.md model card: what ``from_pretrained`` and the
+    Hub read); ``files``, the registered files byte for byte. The files are checked against the record first."""
+    if fmt not in EXPORT_FORMATS:
+        raise SFMError(f"export format {fmt!r} is not one of {', '.join(EXPORT_FORMATS)}")
+    model = RegisteredModel(data_root, model_name)
+    files = model.folder(version) if fmt == "hf" else verified_files(data_root, model_name, version)
+    for name in sorted(files, key=lambda n: n == "config.json"):  # config.json last: the folder is complete
+        storage.write_bytes(storage.join(out, name), files[name])
+    return sorted(files)
 
 
 def verified_files(data_root: str, model_name: str, version: int | str = "champion") -> dict[str, bytes]:
@@ -311,17 +437,10 @@ def is_task_model(record: dict[str, Any]) -> bool:
 def load(data_root: str, model_name: str, version: int | str = "champion"):
     """The registered model of that version, its files verified: a ``sfm.model.MaskedAutoencoder3D``, or
     for a task model its :class:`sfm.model.segmenter.Segmenter`."""
-    from safetensors.torch import load as load_safetensors
-
-    from sfm.model.mae import MAEConfig, MaskedAutoencoder3D
+    from sfm.model.mae import MaskedAutoencoder3D
+    from sfm.model.segmenter import Segmenter
 
     files = verified_files(data_root, model_name, version)
-    config = json.loads(files["config.json"])
-    if "task" in config:
-        from sfm.model.segmenter import segmenter_from_files
-
-        where = f"{model_name} {version} in {data_root}"
-        return segmenter_from_files(files["config.json"], files["model.safetensors"], where)
-    model = MaskedAutoencoder3D(MAEConfig.from_dict(config["model"]))
-    model.load_state_dict(load_safetensors(files["model.safetensors"]))
-    return model
+    kind = Segmenter if "task" in json.loads(files["config.json"]) else MaskedAutoencoder3D
+    return kind.from_folder_files(files["config.json"], files["model.safetensors"],
+                                  f"{model_name} {version} in {data_root}")
