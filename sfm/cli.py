@@ -370,7 +370,8 @@ def _add_model_commands(sub) -> None:
     p.add_argument("action", choices=["list", "show", "promote", "load", "export", "sync"])
     p.add_argument("ref", nargs="?", default="", metavar="NAME[:vN]", help="the model version: NAME (its champion), "
                    "NAME:vN, NAME:N, NAME:latest or NAME:champion (instead of --model and --version)")
-    p.add_argument("dir", nargs="?", default="", metavar="DIR", help="with export: the folder to write (local or s3://)")
+    p.add_argument("dir", nargs="?", default="", metavar="DIR",
+                   help="with export: the folder to write (local or s3://)")
     p.add_argument("--data-root", default="sfm_data", help="the flows' data root (default sfm_data)")
     p.add_argument("--model", default="", help="sfm-mae, a task model (sfm-<task>); default: list every model, "
                    "show/promote/load/export/sync sfm-mae")

@@ -179,8 +179,8 @@ def _create_registered_model(client, name: str) -> None:
     from mlflow.exceptions import MlflowException
 
     try:
-        client.create_registered_model(name, tags={"sfm.model": name},
-                                       description=f"{name}: the sfm registry's versions; alias {ALIAS} is its champion")
+        client.create_registered_model(name, tags={"sfm.model": name}, description=(
+            f"{name}: the sfm registry's versions; alias {ALIAS} is its champion"))
     except MlflowException as err:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
