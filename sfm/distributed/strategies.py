@@ -1,5 +1,6 @@
 """Data parallelism applied to a plain model from outside (torchtitan's ``parallelize.py`` split):
-``sfm/model/`` holds no process groups; the training loop calls :func:`apply_strategy`.
+``sfm/model/`` holds no process groups; :mod:`sfm.distributed.parallelize` decides which strategy runs and
+calls :func:`apply_strategy`.
 
 Strategies (``[dist] strategy`` in the job config):
 

@@ -78,14 +78,12 @@ class Validation:
 
 
 def wrapped(net: Segmenter, world: int, freeze_encoder: bool):
-    """What runs the batches: ``net``, or over several ranks its DDP wrapper (made after the encoder is
-    frozen or not: DDP reduces the gradients of the parameters that learn)."""
-    set_trainable(net, freeze_encoder)
-    if world == 1:
-        return net
-    from sfm.distributed.strategies import apply_strategy
+    """What runs the batches (:func:`sfm.distributed.parallelize.parallelize_finetuning`: ``net``, or over
+    several ranks its DDP wrapper), made after the encoder is frozen or not."""
+    from sfm.distributed.parallelize import parallelize_finetuning
 
-    return apply_strategy(net, "ddp")
+    set_trainable(net, freeze_encoder)
+    return parallelize_finetuning(net, world)
 
 
 def fine_tune(job: dict[str, Any], rank: int = 0, world: int = 1) -> dict[str, Any] | None:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import Callable, ContextManager, Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 
+from sfm.distributed.parallelize import StepHooks
 from sfm.model import MaskedAutoencoder3D, mfu
 from sfm.train.muon import MuonAdamW, muon_parameters
 
@@ -89,37 +90,13 @@ class StepResult(NamedTuple):
     applied: bool
 
 
-class StepHooks(NamedTuple):
-    """How a :class:`TrainStep` runs on its device and strategy; each defaults to plain PyTorch.
-
-    - ``autocast``: context for the forward pass, e.g. ``lambda: torch.autocast("cuda", torch.bfloat16)``.
-    - ``no_sync``: context that skips the gradient all-reduce on all but the last micro-batch.
-    - ``backward``: ``loss -> None`` (default ``loss.backward()``; Accelerate's ``backward`` scales for it).
-    - ``clip_grad_norm``: ``(parameters, max_norm) -> norm before clipping``; called every step (with
-      ``max_norm=inf`` when ``grad_clip`` is 0) so the norm is always known.
-    - ``check_finite``: ``(losses, grad_norm) -> bool``, the same answer on every rank; False skips the
-      update (gradients dropped, optimiser untouched; the scheduler still advances, so the learning
-      rate stays a function of the step number).
-    - ``update``: ``() -> (norm before clipping, applied)``, a strategy's own update in place of clip,
-      check and ``optimizer.step()`` (DeepSpeed's engine clips, skips an update whose gradients are not
-      finite, steps and clears the gradients). ``check_finite`` still judges the step; an update applied
-      although it says no is an error.
-    """
-
-    autocast: Callable[[], ContextManager] = contextlib.nullcontext
-    no_sync: Callable[[], ContextManager] | None = None
-    backward: Callable[[torch.Tensor], None] | None = None
-    clip_grad_norm: Callable[..., torch.Tensor] | None = None
-    check_finite: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
-    update: Callable[[], tuple[torch.Tensor, bool]] | None = None
-
-
 class TrainStep:
     """One optimiser step: ``micro_batches`` forward/backward passes (gradients accumulated), then
     gradient clipping, ``optimizer.step()`` and ``scheduler.step()``.
 
-    ``hooks`` (:class:`StepHooks`) default to plain PyTorch; ``sfm.train.trainer`` passes its own
-    (Accelerate's ``backward`` and ``autocast``, the strategy's ``no_sync`` and global-norm clipping),
+    ``hooks`` (:class:`sfm.distributed.parallelize.StepHooks`) default to plain PyTorch; the trainer passes
+    those :func:`sfm.distributed.parallelize.parallelize` builds (Accelerate's ``backward`` and ``autocast``, the
+    strategy's ``no_sync`` and global-norm clipping, or DeepSpeed's update),
     so the same step runs under DDP, FSDP2 or context parallelism and on a bare device.
 
     Args:

@@ -37,14 +37,15 @@ import time
 from typing import Any, Callable
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from sfm import storage
 from sfm.config import JobConfig
-from sfm.data import training_stream
-from sfm.distributed import strategies
+from sfm.data import BatchStream, training_stream
 from sfm.distributed.accelerate_launch import check_environment, precision_of
 from sfm.distributed.launch import environment_for_workers, job_file_main
-from sfm.distributed.layout import Layout, cp_group, replica_digests
+from sfm.distributed.layout import Layout, replica_digests
+from sfm.distributed.parallelize import parallelize
 from sfm.errors import SFMError
 from sfm.model import build_model, model_config_for, train_flops_per_sample
 from sfm.model import load as load_model
@@ -55,7 +56,7 @@ from sfm.train import failure_injection
 from sfm.train.failure_injection import FailureInjection
 from sfm.train.health import ROLLBACK, SKIP, Heartbeat, NonFiniteGuard, RunHealth, Watchdog, all_ranks_finite
 from sfm.train.metrics import MetricsLogger
-from sfm.train.step import StepHooks, TrainStep, apply_training_options, build_optimizer, lr_at
+from sfm.train.step import TrainStep, apply_training_options, build_optimizer, lr_at
 
 log = logging.getLogger("sfm.train.trainer")
 
@@ -115,10 +116,11 @@ class StreamPosition:
 
 
 class Trainer:
-    """One process's part of a training job. ``train()`` reads as the loop; the pieces it calls
-    build the model and its parallel shell, feed the data, handle a non-finite step, and export at
-    the end. The checkpointer saves and restores every stateful part (:meth:`track_state`); the
-    trainer itself is one of them: its state is the step.
+    """One process's part of a training job, built whole here: the model and what the step runs on it
+    (:func:`sfm.distributed.parallelize.parallelize`, the one owner of the parallelism), the checkpointer, the
+    data stream and the metrics. ``train()`` reads as the loop; the pieces it calls resume, handle a non-finite
+    step, and export at the end. The checkpointer saves and restores every stateful part (:meth:`track_state`);
+    the trainer itself is one of them: its state is the step.
 
     ``health``: this process's watchdog, heartbeat and non-finite guard; ``injected``: the failures
     to inject (tests of the health handling)."""
@@ -132,21 +134,33 @@ class Trainer:
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.layout = Layout.of(self.rank, self.world, cfg.dist.cp)
         self.main = accelerator.is_main_process
-        self.strategy = cfg.dist.strategy if self.world > 1 else "single"
-        self.shards: checkpoint.Shards | None = None  # a sharded strategy's weights and optimiser state
         self.micro_batches = max(1, cfg.train.grad_accum)
         self.step = 0  # optimiser steps done
         self.start_step = 0  # the step this attempt started from
         self.batch = 0  # this rank's batch number in the data stream (mask noise is keyed on it)
+        self.mcfg = model_config_for(cfg)
+        self.model = self.plain_model()
+        run = parallelize(self.model, self.optimization, cfg, self.layout, accelerator, self.check_finite)
+        self.strategy = run.strategy  # what runs: the config's strategy, or "single" on one process
+        self.shards = run.shards  # a sharded strategy's weights and optimiser state
+        self.replicated = run.replicated  # every rank holds the full weights
+        self.scheduler = run.scheduler
+        torch.manual_seed(cfg.data.seed * 1000 + 17 + self.rank)
+        self.checkpointer = checkpoint.Checkpointer(
+            storage.join(self.run_root, "ckpt"), accelerator,
+            checkpoint.StepState(self.model, run.model, run.optimizer, run.scheduler, run.shards), cfg.train)
+        self.noise_gen = torch.Generator(device=accelerator.device)
+        self.train_step = TrainStep(run.model, run.optimizer, run.scheduler, grad_clip=cfg.train.grad_clip,
+                                    hooks=run.hooks, mask_noise=self.mask_noise)
+        self.stream = self.open_data(run.slab)
+        self._batches = self._feed()
+        self.metrics = self.start_metrics()
+        self.track_state()
 
     # ---- the loop ---------------------------------------------------------------------------------
 
     def train(self) -> TrainSummary | None:
         cfg = self.cfg.train
-        self.build()
-        self.open_data()
-        self.start_metrics()
-        self.track_state()
         self.resume()
         snapshot_steps = self.snapshot_steps()
         try:
@@ -185,100 +199,47 @@ class Trainer:
 
     # ---- the pieces -------------------------------------------------------------------------------
 
-    def build(self) -> None:
-        """The model, what the step runs (a context-parallel shell, a dp strategy), the optimiser,
-        the schedule, the checkpointer and the step."""
-        cfg, acc = self.cfg, self.accelerator
-        step_model = self.build_model()
-        deepspeed = self.strategy.startswith("deepspeed")
-        if self.world > 1 and not deepspeed:
-            step_model = strategies.apply_strategy(step_model, cfg.dist.strategy,
-                                                   units=strategies.sharding_units(self.model))
-        self.optimizer = build_optimizer(step_model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                                         betas=cfg.train.betas, algorithm=cfg.train.optimizer,
-                                         muon_lr=cfg.train.muon_lr)
-        lr_of_step = schedule(cfg)
-        # stepped by hand once per optimiser step, whatever the world size (and skipped or not)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_of_step(s) / cfg.train.lr)
-        if deepspeed:  # DeepSpeed takes the optimiser as it wraps the model (the schedule keeps working on it)
-            from sfm.distributed import deepspeed_zero
-
-            params = sum(p.numel() for p in self.model.parameters())
-            config = deepspeed_zero.engine_config(cfg, self.world, params=params, bf16=acc.mixed_precision == "bf16")
-            step_model = deepspeed_zero.initialize(self.model, self.optimizer, config)
-            self.shards = deepspeed_zero.DeepSpeedShards(step_model)
-        elif self.strategy.startswith("fsdp2"):
-            self.shards = strategies.FSDP2Shards(step_model, self.optimizer)
-        self.step_model = step_model
-        torch.manual_seed(cfg.data.seed * 1000 + 17 + self.rank)
-        self.checkpointer = checkpoint.Checkpointer(
-            storage.join(self.run_root, "ckpt"), acc,
-            checkpoint.StepState(self.model, step_model, self.optimizer, self.scheduler, self.shards), cfg.train)
-        self.noise_gen = torch.Generator(device=acc.device)
-        self.train_step = TrainStep(step_model, self.optimizer, self.scheduler, grad_clip=cfg.train.grad_clip,
-                                    hooks=self.step_hooks(step_model, deepspeed), mask_noise=self.mask_noise)
-
-    def build_model(self) -> torch.nn.Module:
-        """The plain model (``self.model``, on its device, the same initial weights on every rank) and what
-        the strategy wraps: the model, or its context-parallel shell."""
-        cfg, acc, layout = self.cfg, self.accelerator, self.layout
+    def plain_model(self) -> torch.nn.Module:
+        """The plain model on its device, the same initial weights on every rank."""
+        cfg = self.cfg
         torch.manual_seed(cfg.data.seed)  # identical initial weights on every rank
-        self.mcfg = mcfg = model_config_for(cfg)
-        model = build_model(mcfg)
+        model = build_model(self.mcfg)
         if cfg.train.init_from:
             model.load_state_dict(load_model(cfg.train.init_from).state_dict())
             log.info("initialised from %s", cfg.train.init_from)
         apply_training_options(model, grad_checkpointing=cfg.train.grad_checkpointing, compile=cfg.train.compile)
-        self.model = model.to(acc.device)
-        self.slab = None
-        step_model: torch.nn.Module = self.model
-        if layout.cp > 1:
-            from sfm.distributed.context_parallel import ContextParallelMAE, cp_kept_tokens, crop_slab
+        return model.to(self.accelerator.device)
 
-            self.slab = crop_slab(mcfg.crop, mcfg.patch, layout.cp_rank, layout.cp)
-            step_model = ContextParallelMAE(self.model, cp_group(layout), mcfg.crop)
-            kept, tokens = cp_kept_tokens(mcfg.num_patches, mcfg.mask_ratio, layout.cp), mcfg.num_patches
-            if self.main:
-                log.info("context parallel: dp %d x cp %d; each rank reads inline voxels [%d, %d) of every crop and "
-                         "holds 1/%d of its %d tokens; %d kept tokens, effective mask ratio %.4f (configured %.4f)",
-                         layout.dp, layout.cp, self.slab.start, self.slab.stop, layout.cp, tokens, kept,
-                         1 - kept / tokens, mcfg.mask_ratio)
-        return step_model
+    def optimization(self, module: torch.nn.Module) -> tuple[torch.optim.Optimizer, LRScheduler]:
+        """The optimiser of ``module`` (what the strategy trains) and its schedule, stepped by hand once per
+        optimiser step, whatever the world size (and skipped or not)."""
+        t = self.cfg.train
+        optimizer = build_optimizer(module, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
+                                    algorithm=t.optimizer, muon_lr=t.muon_lr)
+        lr_of_step = schedule(self.cfg)
+        return optimizer, LambdaLR(optimizer, lambda s: lr_of_step(s) / t.lr)
 
-    def step_hooks(self, step_model: torch.nn.Module, deepspeed: bool) -> StepHooks:
-        """How the step runs on this device and strategy: Accelerate's autocast, and the strategy's backward,
-        gradient sync, clipping and update (DeepSpeed's engine clips, skips non-finite gradients and steps; it
-        reduces gradients in every backward, so it has no no_sync)."""
-        acc = self.accelerator
-        reduce_sum = (lambda t: acc.reduce(t, "sum")) if self.world > 1 else None
-        check_finite = lambda losses, norm: all_ranks_finite(losses, norm, reduce=reduce_sum)  # noqa: E731
-        if deepspeed:
-            from sfm.distributed import deepspeed_zero
+    def check_finite(self, losses: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """The step's losses and gradient norm finite on every rank (every rank gets the same answer)."""
+        reduce_sum = (lambda t: self.accelerator.reduce(t, "sum")) if self.world > 1 else None
+        return all_ranks_finite(losses, grad_norm, reduce=reduce_sum)
 
-            return StepHooks(autocast=acc.autocast, backward=functools.partial(deepspeed_zero.backward, step_model),
-                             check_finite=check_finite, update=functools.partial(deepspeed_zero.step, step_model))
-        return StepHooks(
-            autocast=acc.autocast, no_sync=(lambda: strategies.no_sync(step_model)) if self.world > 1 else None,
-            backward=acc.backward, clip_grad_norm=lambda _params, max_norm: strategies.clip_grad_norm(step_model, max_norm),
-            check_finite=check_finite)
-
-    def open_data(self) -> None:
+    def open_data(self, slab) -> BatchStream:
         """This rank's batch stream (its position is a checkpoint part). The cp ranks of a dp group
-        draw the same crops; each reads only its inline slab of them."""
+        draw the same crops; each reads only its inline ``slab`` of them (context parallelism: a
+        ``sfm.distributed.context_parallel.CropSlab``, else None)."""
         layout = self.layout
-        on_slab = {"slab": (self.slab.start, self.slab.stop)} if self.slab is not None else {}
-        self.stream = training_stream(self.job["surveys"], self.cfg.data, rank=layout.dp_rank,
-                                      world_size=layout.dp,
-                                      node_ranks=min(self.world, self.cfg.dist.procs_per_node),
-                                      worker_init=environment_for_workers(), **on_slab)
-        self._batches = self._feed()
+        on_slab = {"slab": (slab.start, slab.stop)} if slab is not None else {}
+        return training_stream(self.job["surveys"], self.cfg.data, rank=layout.dp_rank, world_size=layout.dp,
+                               node_ranks=min(self.world, self.cfg.dist.procs_per_node),
+                               worker_init=environment_for_workers(), **on_slab)
 
-    def start_metrics(self) -> None:
+    def start_metrics(self) -> MetricsLogger:
         """Trackers and the metrics logger (its history is a checkpoint part)."""
         cfg, layout, acc = self.cfg, self.layout, self.accelerator
         acc.init_trackers("sfm-pretrain", config={"preset": cfg.model.preset, "world_size": self.world,
                                                   "strategy": self.strategy, "cp": layout.cp})
-        self.metrics = MetricsLogger(
+        return MetricsLogger(
             acc, self.health, max_steps=cfg.train.max_steps,
             samples_per_step=self.micro_batches * cfg.data.batch_size * layout.dp,  # cp ranks share samples
             voxels_per_sample=math.prod(cfg.data.crop), flops_per_sample=train_flops_per_sample(self.mcfg),
@@ -371,8 +332,7 @@ class Trainer:
         start_step = self.start_step
         final_url = storage.join(self.run_root, "final")
         self.export(final_url)
-        replicated = self.world > 1 and self.strategy in strategies.REPLICATED
-        digests = replica_digests(self.model) if replicated else None  # a collective
+        digests = replica_digests(self.model) if self.replicated else None  # a collective
         summary = None
         if self.main:
             history = self.metrics.history
