@@ -54,6 +54,7 @@ def test_a_failed_part_is_resumed_alone_and_the_store_equals_an_uninterrupted_ru
     ran = [t["part"]["part"] for t in tasks if t["origin"] is None]
     cloned = [t["part"]["part"] for t in tasks if t["origin"] is not None]
     assert ran == [1] and cloned == [0]
+    assert "predict part 2/2: window " in stderr  # the part's progress, in plain lines: a task has no terminal
 
     whole = predict(PredictOptions(out=str(tmp_path / "whole.zarr"), **params))
     assert whole["published"]
