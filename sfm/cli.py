@@ -401,7 +401,7 @@ def _add_model_commands(sub) -> None:
 
 
 def _add_predict_command(sub) -> None:
-    """predict: a task model over a whole survey, into a prediction store (README "Predicting a survey")."""
+    """predict: a task model over a whole survey, into a prediction store (docs/predict.md)."""
     from sfm.predict.parts import LAYOUTS, OUTPUTS, PredictOptions
 
     p = sub.add_parser("predict", help="predict a whole survey with a task model, into a store on its grid "
