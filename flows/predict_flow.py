@@ -1,7 +1,7 @@
 """A task model over a whole survey, the survey split into parts that run as separate tasks (or GPUs).
 
     python flows/predict_flow.py run --model sfm-faults:v3 --survey s3://b/sfm/surveys/ID.zarr \\
-        --out s3://b/sfm/predictions/ID-faults.zarr --parts 8 --mirror
+        --out s3://b/sfm/predictions/ID-faults.zarr --parts 8 --mirror True
     python flows/predict_flow.py run ... --with kubernetes:gpu=1,cpu=8      # each part on a GPU node
     python flows/predict_flow.py resume                                     # after a failure: only failed parts run
 
@@ -51,7 +51,7 @@ class PredictFlow(FlowSpec):
         from sfm.predict.store import staged_plan
 
         with in_flow():
-            self.part = run_part(staged_plan(self.store_url), self.input)
+            self.part = run_part(staged_plan(self.store_url), self.input, progress=True)  # lines in the task's log
         print(f"sfm predict: part {self.input + 1} of {len(self.part_ids)}: {self.part}")
         self.next(self.publish)
 

@@ -148,7 +148,7 @@ def _cmd_predict(args: argparse.Namespace) -> None:
     opts = PredictOptions(model=args.model, survey=args.survey, out=args.out, data_root=args.data_root,
                           output=args.output, mirror=args.mirror, layout=args.layout, segy=args.segy, parts=args.parts,
                           overlap=args.overlap, batch_size=args.batch_size, device=args.device)
-    result = predict(opts, part=args.part, progress=sys.stderr.isatty())
+    result = predict(opts, part=args.part, progress=True)  # a bar on a terminal, plain lines in a log
     print(json.dumps(result))
     done = "published" if result["published"] else f"part {args.part} of {result['parts']} written (not published yet)"
     print(f"sfm predict: {result['out']} {done}: {len(result['ran'])} part(s) run, {len(result['reused'])} reused, "
@@ -430,7 +430,7 @@ def _add_model_commands(sub) -> None:
 
 
 def _add_predict_command(sub) -> None:
-    """predict: a task model over a whole survey, into a prediction store (README "Predicting a survey")."""
+    """predict: a task model over a whole survey, into a prediction store (docs/predict.md)."""
     from sfm.predict.parts import LAYOUTS, OUTPUTS, PredictOptions
 
     p = sub.add_parser("predict", help="predict a whole survey with a task model, into a store on its grid "

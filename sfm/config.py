@@ -200,7 +200,8 @@ class TrainConfig:
         """Every setting valid, or SFMError naming it and the fix."""
         at_least("train", self, {"max_steps": 1, "warmup_steps": 0, "grad_accum": 1, "checkpoint_every": 1,
                                   "keep_checkpoints": 0, "log_every": 1},
-                  {"max_steps": "; pass a positive --max-steps"})
+                  {"max_steps": "; give a positive one: --max-steps N (the pretrain flow), train.max_steps=N "
+                                 "(sfm train, sfm slurm-script; sfm watch --set train.max_steps=N) or [train] max_steps"})
         if not self.log_every_s > 0:
             raise SFMError(f"train.log_every_s = {self.log_every_s} must be positive (seconds between progress lines)")
         if not (self.lr > 0 and self.min_lr >= 0):

@@ -31,6 +31,14 @@ def duration(seconds: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def quantity(value: float) -> str:
+    """``value`` in three significant figures or so: 850, 12.3k, 1.52M, 4.07G."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
 class Progress:
     """``total`` units of work named ``desc`` (counted in ``unit``), reported on ``file`` (stderr).
 

@@ -26,7 +26,7 @@ from sfm.errors import SFMError
 from sfm.ops.network_policy import POD_LABELS
 
 # libfabric + aws-ofi-nccl settings for NCCL over EFA (AWS "Get started with EFA and NCCL"); the
-# image must carry the EFA installer's libfabric and the aws-ofi-nccl plugin (see README).
+# image must carry the EFA installer's libfabric and the aws-ofi-nccl plugin (docs/cluster.md).
 EFA_ENV = {
     "FI_PROVIDER": "efa",  # NCCL's inter-node traffic over EFA, not TCP sockets
     "FI_EFA_USE_DEVICE_RDMA": "1",  # GPUDirect RDMA on p4d/p5/p5en

@@ -147,8 +147,9 @@ def plan_prediction(opts: PredictOptions) -> PredictionPlan:
 
 
 def run_part(plan: PredictionPlan, part: int, device: str = "auto", progress: bool = False) -> dict[str, Any]:
-    """Predict part ``part`` of ``plan`` (unless its marker says it is done) and write its marker, last.
-    Returns its summary: windows, voxels, seconds (wall, CPU, in the network)."""
+    """Predict part ``part`` of ``plan`` (unless its marker says it is done) and write its marker, last; with
+    ``progress``, its windows counted on stderr (a bar on a terminal, plain lines in a log: windows done of all,
+    voxels/s, ETA). Returns its summary: windows, voxels, seconds (wall, CPU, in the network)."""
     from sfm.config import DataConfig
     from sfm.data import Surveys
     from sfm.predict.slabs import InlineBand, RowWriter, SlabBlender, predict_rows

@@ -30,6 +30,7 @@ from sfm.data import Crop, CropReader, Surveys
 from sfm.data.crop_reader import wait_all
 from sfm.formats.moments import Moments
 from sfm.predict.windows import WindowGrid
+from sfm.progress import Progress, quantity
 
 
 class InlineBand:
@@ -130,32 +131,41 @@ class SlabBlender:
 def predict_rows(grid: WindowGrid, band: InlineBand, blender: SlabBlender, run: Callable[[np.ndarray], np.ndarray],
                  write: Callable[[int, np.ndarray], None], batch_size: int, progress: str = "") -> dict[str, Any]:
     """Run every window that reaches the part's inlines through ``run`` (imgs [B, 1, D, H, W] -> probabilities
-    [B, C, D, H, W]), blend, and ``write`` each output brick row once final; a progress bar over the window
-    rows named ``progress`` if given. Returns counts and timings."""
-    from tqdm import tqdm
-
+    [B, C, D, H, W]), blend, and ``write`` each output brick row once final. With a ``progress`` name, the
+    windows are counted on a :class:`sfm.progress.Progress` of that name (a bar on a terminal, else a plain line
+    every 30 s: windows done of all, the part's voxels per second, ETA). Returns counts and timings."""
     starts = grid.axes[0].reaching(blender.lo, blender.hi)
+    total = len(starts) * len(grid.row(starts[0])) if starts else 0
+    part_voxels = (blender.hi - blender.lo) * grid.shape[1] * grid.shape[2]
+    bar = Progress(total, progress, unit="window", enabled=bool(progress))
     batch = np.empty((batch_size, 1, *grid.crop), np.float32)
     windows, clock = 0, time.perf_counter()
     spent = {"model_s": 0.0, "model_cpu_s": 0.0, "window_cpu_s": 0.0}  # this thread's, see the return
-    for n, i in enumerate(tqdm(starts, desc=progress, unit="row", disable=not progress, leave=False)):
-        band.need(i, i + grid.crop[0], ahead=True)
-        row = grid.row(i)
-        for first in range(0, len(row), batch_size):
-            chunk = row[first:first + batch_size]
-            cpu = time.thread_time()
-            for m, origin in enumerate(chunk):
-                band.cut(origin, batch[m, 0])
-            tick, cut = time.perf_counter(), time.thread_time()
-            probs = run(batch[:len(chunk)])
-            spent["model_s"] += time.perf_counter() - tick
-            model = time.thread_time()
-            for origin, p in zip(chunk, probs):
-                blender.add(origin, p, grid.weight(origin))
-            spent["model_cpu_s"] += model - cut
-            spent["window_cpu_s"] += (cut - cpu) + (time.thread_time() - model)
-            windows += len(chunk)
-        blender.flush(starts[n + 1] if n + 1 < len(starts) else blender.hi, write)
+    try:
+        for n, i in enumerate(starts):
+            band.need(i, i + grid.crop[0], ahead=True)
+            row = grid.row(i)
+            for first in range(0, len(row), batch_size):
+                chunk = row[first:first + batch_size]
+                cpu = time.thread_time()
+                for m, origin in enumerate(chunk):
+                    band.cut(origin, batch[m, 0])
+                tick, cut = time.perf_counter(), time.thread_time()
+                probs = run(batch[:len(chunk)])
+                spent["model_s"] += time.perf_counter() - tick
+                model = time.thread_time()
+                for origin, p in zip(chunk, probs):
+                    blender.add(origin, p, grid.weight(origin))
+                spent["model_cpu_s"] += model - cut
+                spent["window_cpu_s"] += (cut - cpu) + (time.thread_time() - model)
+                windows += len(chunk)
+                if bar.enabled:  # the part's voxels, in proportion to the windows run
+                    rate = windows / total * part_voxels / max(time.perf_counter() - clock, 1e-9)
+                    bar.set(**{"voxels/s": quantity(rate)})
+                    bar.update(len(chunk))
+            blender.flush(starts[n + 1] if n + 1 < len(starts) else blender.hi, write)
+    finally:
+        bar.close()
     # model_cpu_s: this thread's CPU in the network (all of it when torch runs on one thread); window_cpu_s: in
     # cutting windows out and blending them in (the work that grows with the windows per voxel)
     return {"windows": windows, **spent, "wall_s": time.perf_counter() - clock, "bytes_read": band.bytes_read}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -185,6 +186,24 @@ def test_a_killed_part_is_run_again_alone_and_the_store_equals_an_uninterrupted_
     assert rerun["stats"] == whole_run["stats"]
     assert json.loads((out / "zarr.json").read_text())["attributes"]["stats"] == whole_run["stats"]
     assert written and {p: p.stat().st_mtime_ns for p in rows_of_others} == written  # parts 0 and 2 not rewritten
+
+
+def test_piped_sfm_predict_prints_progress_lines(small, tmp_path):
+    """Without a terminal (a cluster log), `sfm predict` reports each part's windows in plain lines: done of all,
+    the voxels per second and the ETA, the last at 100 %; no bar's carriage returns."""
+    cmd = [sys.executable, "-m", "sfm.cli", "predict", "--model", "sfm-faults:v1", "--survey", small["store"],
+           "--out", str(tmp_path / "piped.zarr"), "--data-root", small["root"], "--parts", "2", "--batch-size", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "\r" not in proc.stderr
+    for part in (1, 2):
+        lines = [line for line in proc.stderr.splitlines() if line.startswith(f"predict part {part}/2: window ")]
+        assert len(lines) >= 2, proc.stderr  # one at the first windows, one at the end
+        done = [re.match(r"predict part \d/2: window (\d+)/(\d+) \(", line).groups() for line in lines]
+        assert int(done[0][0]) < int(done[-1][0]) == int(done[-1][1]) > 0, lines
+        assert re.search(r", voxels/s [\d.]+[kMG]?, elapsed \d+s, ETA \d+s$", lines[0]), lines[0]
+        assert lines[-1].split(", ")[0].endswith("(100.0%)")
+    assert json.loads(proc.stdout)["published"]
 
 
 def test_user_errors_are_one_line(small, tmp_path, capsys):

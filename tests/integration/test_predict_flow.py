@@ -25,7 +25,7 @@ def run(env, cwd, resume=False, **params):
 
     with Runner(str(FLOW), show_output=True, env=env, cwd=str(cwd)) as runner:
         result = runner.resume() if resume else runner.run(**params)
-        return result.status, result.run.pathspec, result.stderr
+        return result.status, result.run.pathspec, result.stdout + result.stderr  # the tasks' lines and the runtime's
 
 
 def files(root: Path) -> dict[str, bytes]:
@@ -41,19 +41,20 @@ def test_a_failed_part_is_resumed_alone_and_the_store_equals_an_uninterrupted_ru
     out = tmp_path / "flow.zarr"
     blocked = out / "probability" / "c" / "3" / "0" / "0"  # a shard of part 1's second row cannot be written
     blocked.mkdir(parents=True)
-    status, failed, stderr = run(metaflow_env, tmp_path, out=str(out), **params)
-    assert status == "failed", stderr[-3000:]
+    status, failed, log = run(metaflow_env, tmp_path, out=str(out), **params)
+    assert status == "failed", log[-3000:]
     tasks = task_view(failed, metaflow_env, "predict", cwd=str(tmp_path))
     assert sorted(t["successful"] for t in tasks) == [False, True]  # part 1 failed (its retry too)
     assert not (out / "zarr.json").exists() and (out / "probability" / "c" / "2").exists()  # mid-way, unpublished
 
     blocked.rmdir()
-    status, resumed, stderr = run(metaflow_env, tmp_path, resume=True)
-    assert status == "successful", stderr[-3000:]
+    status, resumed, log = run(metaflow_env, tmp_path, resume=True)
+    assert status == "successful", log[-3000:]
     tasks = task_view(resumed, metaflow_env, "predict", cwd=str(tmp_path))
     ran = [t["part"]["part"] for t in tasks if t["origin"] is None]
     cloned = [t["part"]["part"] for t in tasks if t["origin"] is not None]
     assert ran == [1] and cloned == [0]
+    assert "predict part 2/2: window " in log  # the part's progress, in plain lines: a task has no terminal
 
     whole = predict(PredictOptions(out=str(tmp_path / "whole.zarr"), **params))
     assert whole["published"]

@@ -99,7 +99,7 @@ def test_bucket_policy_refuses_plain_http_and_requests_from_outside_the_endpoint
     assert denied(policy, obj("sfm/registry/m/v1/version.json", principal=ADMIN, secure=False))
     assert not denied(policy, Call("s3:GetObject", "arn:aws:s3:::another-bucket/x", principal=role))
 
-    tls_only = bucket_policy(ROOT)  # without --vpce: the TLS rule the README recommends, alone
+    tls_only = bucket_policy(ROOT)  # without --vpce: the TLS rule docs/security.md recommends, alone
     check_grammar(tls_only)
     assert [st["Sid"] for st in tls_only["Statement"]] == ["SfmDenyWithoutTls"]
     assert not denied(tls_only, obj("sfm/x", principal=role))

@@ -10,7 +10,8 @@ from sfm.errors import SFMError
 def test_job_settings_are_validated_with_the_key_and_the_fix():
     from sfm.ops import pipeline
 
-    for kwargs, words in ((dict(max_steps=-5), "train.max_steps = -5 must be at least 1; pass a positive --max-steps"),
+    for kwargs, words in ((dict(max_steps=-5),
+                           "train.max_steps = -5 must be at least 1; give a positive one: --max-steps N (the pretrain flow)"),
                           (dict(preset="gigantic"), "valid presets are tiny, mini"),
                           (dict(config={"data": {"augment": "rotate"}}), "data.augment names rotate"),
                           (dict(config={"train": {"snapshots": [1.5]}}), "train.snapshots"),

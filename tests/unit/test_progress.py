@@ -78,3 +78,7 @@ def test_a_terminal_gets_a_bar_not_lines():
 def test_durations_read_as_a_person_would():
     assert [duration(s) for s in (0, 59.9, 61, 3600, 3725, 90000)] == ["0s", "59s", "1m01s", "1h00m", "1h02m",
                                                                          "1d01h"]
+
+
+def test_quantities_read_in_three_figures():
+    assert [progress.quantity(v) for v in (850, 12_345, 1_523_000, 4.07e9, 0.5)] == ["850", "12.3k", "1.52M", "4.07G", "0.5"]
