@@ -7,7 +7,9 @@ registered as ``sfm-<task-name>/vN``.
     python flows/finetune_flow.py run ... --encoder random  # the baseline: what pretraining bought you
 
 Each step calls one function of ``sfm.finetune.run`` and keeps only small artifacts (URLs, ids, metrics).
-The recipe is the ``[finetune]`` section of the job config (sfm/config.py: FinetuneConfig).
+The recipe is the ``[finetune]`` section of the job config (sfm/config.py: FinetuneConfig). Every parameter that
+sets the job defaults to the config's value (``--help`` shows it); ``start`` resolves the config once
+(``job_config``), ``launch`` makes the typed job every rank and later step reads (``job``: a FinetuneJob).
 """
 
 import tomllib
@@ -15,7 +17,7 @@ import tomllib
 from metaflow import (Config, FlowSpec, Parameter, card, config_expr, current, parallel, step)
 
 from sfm.config import DEFAULT_TOML
-from sfm.ops.cluster import job_of  # noqa: F401  (used by the config expressions below)
+from sfm.ops.cluster import job_of  # also in the config expressions below
 from sfm.user_errors import in_flow
 
 
@@ -38,25 +40,26 @@ class FinetuneFlow(FlowSpec):
     task_name = Parameter("task-name", default="segmentation", help="the task model is registered as sfm-<task-name>, "
                           "e.g. faults: sfm-faults")
     data_root = Parameter("data-root", default="sfm_data", help="local path or s3://bucket/prefix for all outputs")
-    nodes = Parameter("nodes", default=1, type=int, help="nodes for the @parallel finetune step")
-    procs_per_node = Parameter("procs-per-node", default=1, type=int, help="fine-tuning processes (ranks) per node")
+    nodes = Parameter("nodes", default=config_expr("job_of(config).dist.nodes"), type=int,
+                      help="nodes for the @parallel finetune step; default: the config's [dist] nodes")
+    procs_per_node = Parameter("procs-per-node", default=config_expr("job_of(config).dist.procs_per_node"), type=int,
+                               help="fine-tuning processes (ranks) per node; default: the config's [dist] "
+                               "procs_per_node")
     seed = Parameter("seed", default=config_expr("job_of(config).finetune.seed"), type=int,
                      help="crops, augmentation and initialisation; default: the config's [finetune] seed")
 
     @step
     def start(self):
         from sfm import storage
-        from sfm.config import JobConfig
         from sfm.finetune import run
 
         with in_flow():
-            cfg = JobConfig.from_dict(dict(self.config))
-            cfg.set("finetune.seed", self.seed)
+            cfg = job_of(self.config).override(seed=self.seed, nodes=self.nodes, procs_per_node=self.procs_per_node)
             fraction = run.held_out_fraction(self.held_out)
             if fraction is not None:
                 cfg.set("finetune.held_out", fraction)
             cfg.validate()
-            self.job_config = cfg.to_dict()
+            self.job_config = cfg
             self.root = storage.normalize(self.data_root)
             self.encoder_ref = run.resolve_encoder(self.encoder, self.root, cfg)
             self.plan = run.plan_pairs(self.surveys, self.labels, self.held_out, self.held_out_labels,
@@ -66,11 +69,10 @@ class FinetuneFlow(FlowSpec):
     @step
     def ingest(self):
         """Every survey and its labels published (those published before are found, not copied)."""
-        from sfm.config import JobConfig
         from sfm.ingest.labels import ingest_pairs
 
         with in_flow():
-            self.pairs = ingest_pairs(self.plan, self.root, JobConfig.from_dict(self.job_config).ingest)
+            self.pairs = ingest_pairs(self.plan, self.root, self.job_config.ingest)
         self.next(self.launch)
 
     @step
@@ -78,14 +80,13 @@ class FinetuneFlow(FlowSpec):
         """The job every rank reads; fan out to the nodes (Metaflow needs a step before a @parallel split)."""
         from sfm import storage
         from sfm.ops import pipeline
-        from sfm.config import JobConfig
         from sfm.finetune import run
 
         run_root = pipeline.run_root(self.root, current.flow_name, current.run_id)
         with in_flow():
-            self.job = run.node_job(JobConfig.from_dict(self.job_config), self.pairs, self.encoder_ref, self.task,
+            self.job = run.node_job(self.job_config, self.pairs, self.encoder_ref, self.task,
                                     storage.normalize(run_root))
-        self.next(self.finetune, num_parallel=self.nodes)
+        self.next(self.finetune, num_parallel=self.job.config.dist.nodes)
 
     @parallel
     @step
@@ -94,7 +95,6 @@ class FinetuneFlow(FlowSpec):
 
         with in_flow():
             self.summary = run.finetune_node(self.job, nodes=current.parallel.num_nodes,
-                                             procs_per_node=self.procs_per_node,
                                              node_index=current.parallel.node_index,
                                              main_addr=current.parallel.main_ip,
                                              rendezvous_key=f"{current.run_id}-{current.retry_count}")
@@ -111,7 +111,7 @@ class FinetuneFlow(FlowSpec):
         self.summary = next(i.summary for i in inputs if i.summary is not None)
         with in_flow():
             self.metrics, figures = run.evaluate(self.job, self.summary)
-        for component in finetune_components(self.metrics, self.summary, figures, self.job["lineage"]):
+        for component in finetune_components(self.metrics, self.summary, figures, self.job.lineage):
             current.card["finetune"].append(component)
         self.next(self.register)
 
@@ -131,7 +131,7 @@ class FinetuneFlow(FlowSpec):
     @step
     def end(self):
         m = self.metrics
-        print(f"fine-tuned from {self.job['lineage']['encoder']}: held-out AP {m['ap']:.4f}, F1 {m['f1']:.4f}, "
+        print(f"fine-tuned from {self.job.encoder}: held-out AP {m['ap']:.4f}, F1 {m['f1']:.4f}, "
               f"IoU {m['iou']:.4f}; registered {self.model_name} v{self.model_version}"
               f"{' (champion)' if self.champion else ''}")
 

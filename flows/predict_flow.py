@@ -7,7 +7,9 @@
 
 start (plan: model, survey and output checked, the store's arrays made) -> predict (one task per part:
 whole shard rows) -> publish (the SEG-Y export if asked, then the store's root zarr.json, last) -> end.
-Each step calls one function of ``sfm.predict`` and keeps only small artifacts (URLs, counts).
+Each step calls one function of ``sfm.predict`` and keeps only small artifacts (URLs, counts). Every parameter
+defaults to :class:`sfm.predict.PredictOptions`'s value, as ``sfm predict``'s do; the plan ``start`` stages is the
+typed job the other steps read (:func:`sfm.predict.store.staged_plan`).
 """
 
 from metaflow import FlowSpec, Parameter, retry, step
@@ -23,9 +25,9 @@ class PredictFlow(FlowSpec):
     out = Parameter("out", required=True, help="the prediction store's URL; must not exist")
     data_root = Parameter("data-root", default=PredictOptions.data_root, help="where --model NAME is registered")
     output = Parameter("output", default=PredictOptions.output, help="probability | classes")
-    mirror = Parameter("mirror", default=False, type=bool, help="test-time mirroring (inline/crossline flips)")
+    mirror = Parameter("mirror", default=PredictOptions.mirror, type=bool, help="test-time mirroring (inline/crossline flips)")
     layout = Parameter("layout", default=PredictOptions.layout, help="sfm | mdio")
-    segy = Parameter("segy", default="", help="also write a SEG-Y with the source's trace headers here")
+    segy = Parameter("segy", default=PredictOptions.segy, help="also write a SEG-Y with the source's trace headers here")
     parts = Parameter("parts", default=PredictOptions.parts, type=int, help="tasks the survey is split into")
     overlap = Parameter("overlap", default=PredictOptions.overlap, type=float, help="window overlap, of a crop")
     batch_size = Parameter("batch-size", default=PredictOptions.batch_size, type=int, help="windows per network call")

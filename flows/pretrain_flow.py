@@ -11,7 +11,9 @@
                                                            # config's FSDP2, precision and sizes mapped at start
     python flows/pretrain_flow.py resume                   # after a failure: training continues from its checkpoint
 
-Each step calls one function of ``sfm.ops.pipeline`` and keeps only small artifacts (URLs, ids, metrics).
+Each step calls one function of ``sfm.ops.pipeline`` and keeps only small artifacts (URLs, ids, metrics). Every
+parameter that sets the job defaults to the config's value (``--help`` shows it); ``start`` resolves the job once
+(``job``: the typed JobConfig, which the later steps read as it is).
 """
 
 import tomllib
@@ -37,8 +39,10 @@ class PretrainFlow(FlowSpec):
     held_out = Parameter("held-out", default="", help="SEG-Y URLs (as --surveys) evaluated but never trained on "
                          "(default: the last of --surveys)")
     data_root = Parameter("data-root", default="sfm_data", help="local path or s3://bucket/prefix for all outputs")
-    preset = Parameter("preset", default="", help="model preset (tiny|small|base|large|huge); default: config's")
-    max_steps = Parameter("max-steps", default=0, type=int, help="training steps; 0: config's")
+    preset = Parameter("preset", default=config_expr("job_of(config).model.preset"),
+                       help="model preset (tiny|small|base|large|huge); default: the config's [model] preset")
+    max_steps = Parameter("max-steps", default=config_expr("job_of(config).train.max_steps"), type=int,
+                          help="training steps; default: the config's [train] max_steps")
     nodes = Parameter("nodes", default=config_expr("job_of(config).dist.nodes"), type=int,
                       help="nodes for the @parallel pretrain step; default: the config's [dist] nodes")
     procs_per_node = Parameter("procs-per-node", default=config_expr("job_of(config).dist.procs_per_node"), type=int,
@@ -56,31 +60,29 @@ class PretrainFlow(FlowSpec):
                                   help="an Accelerate config file (as `accelerate config` writes it) mapped onto "
                                   "the job at start: precision, machines, processes, FSDP2 or DeepSpeed ZeRO "
                                   "stage; a conflicting one is refused; default: the config's [dist]")
-    ingest_parts = Parameter("ingest-parts", default=0, type=int,
+    ingest_parts = Parameter("ingest-parts", default=config_expr("job_of(config).ingest.parts"), type=int,
                              help="tasks to split each survey's ingest into (whole 4 GiB pieces to scan, whole shard "
-                             "rows to write); 0: the config's [ingest] parts, or one per [ingest] part_gb GB")
-    init_from = Parameter("init-from", default="", help="continue pretraining from these weights: an exported "
-                          "model folder URL, or champion|latest|vN of the registry in --data-root; empty: config's")
+                             "rows to write); 0: one per [ingest] part_gb GB; default: the config's [ingest] parts")
+    init_from = Parameter("init-from", default=config_expr("job_of(config).train.init_from"),
+                          help="continue pretraining from these weights: an exported model folder URL, or "
+                          "champion|latest|vN of the registry in --data-root; default: the config's [train] init_from")
 
     @step
     def start(self):
         from sfm import storage
         from sfm.ops import pipeline
-        from sfm.config import JobConfig
 
         with in_flow():
-            self.job = pipeline.job_config(dict(self.config), pipeline.Overrides(
-                preset=self.preset, max_steps=self.max_steps, nodes=self.nodes, procs_per_node=self.procs_per_node,
-                cp=self.cp, strategy=self.strategy, launcher=self.launcher,
-                accelerate_config=self.accelerate_config)).to_dict()
             self.root = storage.normalize(self.data_root)
-            self.job = pipeline.resolve_init_from(JobConfig.from_dict(self.job), self.init_from, self.root).to_dict()
-            self.plan = pipeline.plan_surveys(self.surveys, self.held_out, self.root,
-                                             JobConfig.from_dict(self.job).synth)
+            job = pipeline.job_config(job_of(self.config).override(
+                preset=self.preset, max_steps=self.max_steps, nodes=self.nodes, procs_per_node=self.procs_per_node,
+                cp=self.cp, strategy=self.strategy, launcher=self.launcher, accelerate_config=self.accelerate_config,
+                ingest_parts=self.ingest_parts))
+            self.job = pipeline.resolve_init_from(job, self.init_from, self.root)
+            self.plan = pipeline.plan_surveys(self.surveys, self.held_out, self.root, self.job.synth)
         self.run_key = current.run_id  # a resumed run clones this step, so it keeps the original key
         with in_flow():
-            self.scans = pipeline.plan_ingest(self.plan, self.root, JobConfig.from_dict(self.job), self.run_key,
-                                              self.ingest_parts)
+            self.scans = pipeline.plan_ingest(self.plan, self.root, self.job, self.run_key)
         self.next(self.scan, foreach="scans")
 
     # a killed scan or write part is retried at once, then `resume` runs only the parts that failed
@@ -89,21 +91,19 @@ class PretrainFlow(FlowSpec):
     def scan(self):
         """Digest and header fields of one part (whole 4 GiB pieces) of one survey."""
         from sfm.ops import pipeline
-        from sfm.config import JobConfig
 
         with in_flow():
-            self.scanned = pipeline.scan_part(self.input, JobConfig.from_dict(self.job))
+            self.scanned = pipeline.scan_part(self.input, self.job)
         self.next(self.plan_ingest)
 
     @step
     def plan_ingest(self, inputs):
         """Each survey's identity, geometry and store arrays; its parts fan out to the write tasks."""
         from sfm.ops import pipeline
-        from sfm.config import JobConfig
 
         self.merge_artifacts(inputs, include=["job", "root", "run_key"])
         with in_flow():
-            self.parts = pipeline.plan_writes([i.scanned for i in inputs], self.root, JobConfig.from_dict(self.job))
+            self.parts = pipeline.plan_writes([i.scanned for i in inputs], self.root, self.job)
         self.next(self.split_parts)
 
     @step
@@ -116,10 +116,9 @@ class PretrainFlow(FlowSpec):
     def ingest(self):
         """The shards of one part (whole shard rows) of one survey."""
         from sfm.ops import pipeline
-        from sfm.config import JobConfig
 
         with in_flow():
-            self.part = pipeline.ingest(self.input, JobConfig.from_dict(self.job))
+            self.part = pipeline.ingest(self.input, self.job)
         print(f"sfm ingest: part {self.part['part'] + 1} of {self.part['write_parts']} of {self.part['url']}: "
               f"{self.part['columns']} brick columns")
         self.next(self.join)
@@ -143,7 +142,7 @@ class PretrainFlow(FlowSpec):
     @step
     def launch(self):
         """Fan out to the training nodes (Metaflow needs a step between a join and a @parallel split)."""
-        self.next(self.pretrain, num_parallel=self.job["dist"]["nodes"])
+        self.next(self.pretrain, num_parallel=self.job.dist.nodes)
 
     # a failed attempt (killed process, lost node) is retried once at once; training continues from
     # its last checkpoint, as it does after `resume`
@@ -157,12 +156,11 @@ class PretrainFlow(FlowSpec):
     @step
     def pretrain(self):
         from sfm.ops import pipeline
-        from sfm.config import JobConfig
 
         self.run_root = pipeline.run_root(self.root, current.flow_name, self.run_key)  # checkpoints, model, summary
         with in_flow():
             self.train_summary = pipeline.pretrain_node(
-                JobConfig.from_dict(self.job), train_stores=self.train_stores, run_root=self.run_root,
+                self.job, train_stores=self.train_stores, run_root=self.run_root,
                 nodes=current.parallel.num_nodes, node_index=current.parallel.node_index,
                 main_addr=current.parallel.main_ip, rendezvous_key=f"{current.run_id}-{current.retry_count}",
             )
@@ -175,14 +173,12 @@ class PretrainFlow(FlowSpec):
         segmentation, pretrained vs random init), and the card (loss curve, slices, label efficiency, tables)."""
         from sfm.ops import pipeline
         from sfm.eval.card import evaluation_components
-        from sfm.config import JobConfig
 
         self.merge_artifacts(inputs, exclude=["train_summary"])
         self.train_summary = next(i.train_summary for i in inputs if i.train_summary is not None)
         self.model_url = self.train_summary["model_url"]
-        cfg = JobConfig.from_dict(self.job)
         with in_flow():
-            self.metrics, figures = pipeline.evaluate(self.model_url, self.held_out_stores, cfg)
+            self.metrics, figures = pipeline.evaluate(self.model_url, self.held_out_stores, self.job)
             for component in evaluation_components(self.model_url, self.held_out_stores, self.train_summary,
                                                    self.metrics, figures):
                 current.card["evaluation"].append(component)
@@ -193,11 +189,10 @@ class PretrainFlow(FlowSpec):
         from metaflow import Run
 
         from sfm.ops import pipeline
-        from sfm.config import JobConfig
 
         pathspec = f"{current.flow_name}/{current.run_id}"
         with in_flow():
-            record = pipeline.register(self.root, JobConfig.from_dict(self.job), model_url=self.model_url,
+            record = pipeline.register(self.root, self.job, model_url=self.model_url,
                                        metrics=self.metrics, run_pathspec=pathspec, surveys=self.train_stores,
                                        held_out=self.held_out_stores,
                                        snapshots=self.train_summary.get("snapshots"))
@@ -208,9 +203,8 @@ class PretrainFlow(FlowSpec):
     @step
     def end(self):
         from sfm.ops import pipeline
-        from sfm.config import JobConfig
 
-        for line in pipeline.closing_lines(self.train_summary, self.metrics, JobConfig.from_dict(self.job), self.root,
+        for line in pipeline.closing_lines(self.train_summary, self.metrics, self.job, self.root,
                                            {"model_name": self.model_name, "version": self.model_version,
                                             "champion": self.champion}):
             print(line)

@@ -212,28 +212,33 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _job_config(args: argparse.Namespace):
-    """The job of `sfm train` / `sfm slurm-script`: the TOML config, the overrides and flags on top, then the
-    Accelerate config it names mapped onto it (a conflict is refused here, before anything starts)."""
+    """The job of `sfm train` / `sfm slurm-script`, parsed once: the TOML config with the SECTION.KEY=VALUE
+    overrides and the flags given on top (:meth:`sfm.config.JobConfig.override`, as the flows' parameters), then
+    resolved as the flow's ``start`` resolves it (:func:`sfm.ops.pipeline.job_config`: the Accelerate config it
+    names mapped onto it, every setting checked; a conflict is refused here, before anything starts)."""
     from sfm.ops import pipeline
     from sfm.config import JobConfig
 
-    return pipeline.with_overrides(JobConfig.from_toml(args.config or None, args.overrides), pipeline.Overrides(
-        nodes=args.nodes, procs_per_node=args.procs_per_node, cp=args.cp, strategy=args.strategy,
+    return pipeline.job_config(JobConfig.from_toml(args.config or None).override(
+        args.overrides, nodes=args.nodes, procs_per_node=args.procs_per_node, cp=args.cp, strategy=args.strategy,
         launcher=args.launcher, accelerate_config=args.accelerate_config))
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
     """Train one node's share of a job (outside Metaflow: by hand, or on each node of a Slurm job)."""
+    import dataclasses
+
     from sfm import storage
     from sfm.distributed import launch
+    from sfm.distributed.job import NodeLaunch, node_job
     from sfm.ops import slurm
 
     cfg = _job_config(args)
     run_root = storage.normalize(args.run_root)
     surveys = slurm.training_surveys(surveys=args.surveys, data_root=args.data_root, held_out=args.held_out)
-    node = launch.NodeLaunch(nodes=cfg.dist.nodes, procs_per_node=cfg.dist.procs_per_node, node_rank=args.node_rank,
-                             main_addr=args.main_addr, main_port=args.main_port or launch.port_for(run_root))
-    job = launch.node_job(cfg, surveys, run_root, node)
+    node = NodeLaunch(nodes=cfg.dist.nodes, procs_per_node=cfg.dist.procs_per_node, node_rank=args.node_rank,
+                      main_addr=args.main_addr, main_port=args.main_port or launch.port_for(run_root))
+    job = node_job(cfg, surveys, run_root, node)
     if args.dry_run:  # the launch plan: the command, its launch files, the job, the cluster environment
         import os
         import tempfile
@@ -245,10 +250,10 @@ def _cmd_train(args: argparse.Namespace) -> None:
             command = launch.node_command(job, node, tmp)
             files = {name: open(os.path.join(tmp, name)).read() for name in sorted(os.listdir(tmp))
                      if name != "job.json"}
-        print(json.dumps({"launch_node": vars(node), "command": command, "launch_files": files, "job": job,
-                          "environment": env}))
+        print(json.dumps({"launch_node": dataclasses.asdict(node), "command": command, "launch_files": files,
+                          "job": job.to_dict(), "environment": env}))
         return
-    result = launch.train_node(job, node)
+    result = launch.run_node(job, node)
     if result is not None:
         print(json.dumps({k: result.get(k) for k in ("steps", "resumed_from_step", "world_size", "initial_loss",
                                                      "final_loss", "samples_per_s", "model_url")}))
@@ -264,7 +269,7 @@ def _cmd_slurm_script(args: argparse.Namespace) -> None:
     cfg = _job_config(args)
     opts = slurm.SbatchOptions(
         data_root=storage.normalize(args.data_root) if args.data_root else "", run_root=storage.normalize(args.run_root),
-        nodes=cfg.dist.nodes, procs_per_node=cfg.dist.procs_per_node, surveys=args.surveys, held_out=args.held_out,
+        surveys=args.surveys, held_out=args.held_out,
         job_name=args.job_name, partition=args.partition, account=args.account, time=args.time, output=args.log,
         requeue_before_s=args.requeue_before, setup=args.setup, auto_resume=args.auto_resume)
     script = slurm.render_sbatch(cfg, opts, command_line=shlex.join(["sfm", *sys.argv[1:]]))
@@ -272,7 +277,7 @@ def _cmd_slurm_script(args: argparse.Namespace) -> None:
         sys.stdout.write(script)
         return
     storage.write_bytes(args.out, script.encode())
-    print(f"sfm slurm-script: wrote {args.out} ({opts.nodes} node(s) x {opts.procs_per_node} process(es)); "
+    print(f"sfm slurm-script: wrote {args.out} ({cfg.dist.nodes} node(s) x {cfg.dist.procs_per_node} process(es)); "
           f"submit with: sbatch {args.out}", file=sys.stderr)
 
 
@@ -285,17 +290,18 @@ def _job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--held-out", default="", help="with --data-root: comma-separated survey names/ids to leave out")
     p.add_argument("--run-root", required=True, help="where checkpoints, the final model and the summary go; "
                    "a run started again with the same run root resumes from its newest checkpoint")
-    p.add_argument("--nodes", type=int, default=0, help="nodes in the job (default: the config's [dist] nodes)")
-    p.add_argument("--procs-per-node", type=int, default=0,
+    # each flag below sets its key of the job config (sfm.config.PARAMETERS); not given: the config's value
+    p.add_argument("--nodes", type=int, help="nodes in the job (default: the config's [dist] nodes)")
+    p.add_argument("--procs-per-node", type=int,
                    help="training processes per node, one per GPU (default: the config's [dist] procs_per_node)")
-    p.add_argument("--cp", type=int, default=0, help="context-parallel ranks per volume; nodes x procs-per-node must "
+    p.add_argument("--cp", type=int, help="context-parallel ranks per volume; nodes x procs-per-node must "
                    "divide by it (default: the config's [dist] cp)")
-    p.add_argument("--strategy", default="", choices=["", *STRATEGIES],
+    p.add_argument("--strategy", choices=STRATEGIES,
                    help="data-parallel strategy (default: the config's [dist] strategy; deepspeed-*: the deepspeed extra)")
-    p.add_argument("--launcher", default="", choices=["", *LAUNCHERS],
+    p.add_argument("--launcher", choices=LAUNCHERS,
                    help="what starts each node's processes: torchrun, or accelerate (accelerate launch) "
                    "(default: the config's [dist] launcher)")
-    p.add_argument("--accelerate-config", default="", metavar="FILE",
+    p.add_argument("--accelerate-config", metavar="FILE",
                    help="an Accelerate config file (as `accelerate config` writes it) mapped onto the job: precision, "
                    "machines, processes, FSDP2 or DeepSpeed ZeRO stage; a conflicting one is refused "
                    "(default: the config's [dist] accelerate_config)")
@@ -448,7 +454,8 @@ def _add_predict_command(sub) -> None:
     p.add_argument("--layout", choices=LAYOUTS, default=PredictOptions.layout,
                    help="sfm (default), or mdio: also what MDIO's tools read and export (needs a survey ingested "
                         "with --layout mdio, or an MDIO store)")
-    p.add_argument("--segy", default="", help="also write a SEG-Y here, with the source's trace headers")
+    p.add_argument("--segy", default=PredictOptions.segy, help="also write a SEG-Y here, with the source's trace "
+                   "headers")
     p.add_argument("--parts", type=int, default=PredictOptions.parts, help="split the survey into this many parts "
                    "(runs of whole shard rows) for separate tasks or GPUs")
     p.add_argument("--part", type=int, default=None, help="run only this part (0..parts-1) and publish nothing; "

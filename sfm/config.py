@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from sfm.config_values import at_least, coerce, field_types, fraction_in, one_of, parse_literal, toml_text
 from sfm.errors import SFMError
@@ -225,7 +225,11 @@ class DistConfig:
     accelerate_config: str = ""
 
     def check(self) -> None:
-        """The strategy and cp valid, or SFMError; how they fit the job is :meth:`JobConfig.check_parallelism`'s."""
+        """The job's size, strategy and cp valid, or SFMError; how they fit the job is
+        :meth:`JobConfig.check_parallelism`'s. The one check of the node counts: the flow's ``start``, ``sfm train``,
+        ``sfm slurm-script`` and every node's launch reach it through :meth:`JobConfig.validate`."""
+        at_least("dist", self, {"nodes": 1, "procs_per_node": 1},
+                 {"nodes": "; pass --nodes 1 or more", "procs_per_node": "; pass --procs-per-node 1 or more"})
         if self.strategy not in STRATEGIES:
             raise SFMError(f"dist.strategy = {self.strategy!r} is not a strategy; use one of {', '.join(STRATEGIES)}")
         if self.cp < 1:
@@ -400,7 +404,7 @@ class JobConfig:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None = None) -> "JobConfig":
-        """The config a dict ({section: {key: value}}) describes."""
+        """The config a dict ({section: {key: value}}) describes; a process parses its job once, at its entry."""
         cfg = cls()
         for section, values in (data or {}).items():
             if not hasattr(cfg, section):
@@ -418,13 +422,24 @@ class JobConfig:
             raise SFMError(f"config file {path} does not exist; pass an existing TOML file") from err
         except tomllib.TOMLDecodeError as err:
             raise SFMError(f"config file {path} is not valid TOML ({err}); fix the syntax") from err
-        cfg = cls.from_dict(data)
-        for item in overrides or []:
+        return cls.from_dict(data).override(overrides or ())
+
+    def override(self, assignments: Iterable[str] = (), **named: Any) -> "JobConfig":
+        """This config (changed in place, and returned) with the ``section.key=value`` ``assignments`` set, then
+        the ``named`` parameters, each on the key :data:`PARAMETERS` gives it (``max_steps=500``: train.max_steps);
+        None leaves the config's value. The one path by which the flows' parameters and the CLI's arguments reach a
+        job; nothing is checked here (:meth:`validate`)."""
+        for item in assignments:
             key, sep, value = item.partition("=")
             if not sep:
                 raise SFMError(f"override '{item}' must look like section.key=value")
-            cfg.set(key.strip(), parse_literal(value.strip()))
-        return cfg
+            self.set(key.strip(), parse_literal(value.strip()))
+        for name, value in named.items():
+            if name not in PARAMETERS:
+                raise TypeError(f"{name} is not a job parameter; known: {', '.join(PARAMETERS)}")
+            if value is not None:
+                self.set(PARAMETERS[name], value)
+        return self
 
     def validate(self) -> None:
         """Every section valid (its ``check``) and the sections agree, or SFMError naming the key and the fix:
@@ -484,6 +499,13 @@ class JobConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+# the flows' and the CLI's named parameters (``--max-steps``: max_steps), each the config key it sets
+PARAMETERS = {"preset": "model.preset", "max_steps": "train.max_steps", "nodes": "dist.nodes",
+              "procs_per_node": "dist.procs_per_node", "cp": "dist.cp", "strategy": "dist.strategy",
+              "launcher": "dist.launcher", "accelerate_config": "dist.accelerate_config",
+              "ingest_parts": "ingest.parts", "seed": "finetune.seed"}
 
 
 def _section_names() -> list[str]:

@@ -16,14 +16,12 @@ that disagrees with the job is refused in one line naming the variable.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, MutableMapping
+from typing import Any, MutableMapping
 
 from sfm.config import JobConfig, TrainConfig
 from sfm.distributed.accelerate_config import map_config, settle
+from sfm.distributed.job import NodeLaunch
 from sfm.errors import SFMError
-
-if TYPE_CHECKING:
-    from sfm.distributed.launch import NodeLaunch
 
 # the variable accelerate launch sets for an Accelerate config key (as its plugins read it)
 ENVIRONMENT = {

@@ -1,9 +1,10 @@
 """One process of a fine-tuning run: ``python -m sfm.finetune.job JOB.json``, one per rank under torchrun
-(:func:`sfm.finetune.run.finetune_node` starts them with :func:`sfm.distributed.launch.launch_node`).
+(:func:`sfm.finetune.run.finetune_node` starts them with :func:`sfm.distributed.launch.run_node`).
 
-The job file (:func:`sfm.finetune.run.node_job`) names the job config (its ``[finetune]`` section is the
-recipe), the encoder (an exported model's URL, or none: a random initialisation of the config's
-architecture), the task, the labelled surveys with their roles and the run root. Every rank reads its
+The job file is a :class:`FinetuneJob` (:func:`sfm.finetune.run.node_job` builds it), read once at the process's
+entry: the job config (its ``[finetune]`` section is the recipe), the encoder (an exported model's URL, or none: a
+random initialisation of the config's architecture), the task, the labelled surveys with their roles and the run
+root. Every rank reads its
 own crops (:class:`sfm.finetune.samples.LabelledCrops`); gradients are averaged by DDP over gloo (NCCL on
 GPUs). Rank 0 scores the validation labels for early stopping, then writes the task model
 (``<run_root>/model``, :func:`sfm.model.segmenter.save_segmenter`) and ``<run_root>/summary.json``.
@@ -21,13 +22,15 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from sfm import storage
 from sfm.config import LABEL_IGNORE, JobConfig
+from sfm.distributed.job import JobFile
 from sfm.distributed.launch import job_file_main
 from sfm.errors import SFMError
 from sfm.finetune.loop import class_weights, masked_loss, reporting, set_trainable, train_steps
@@ -37,16 +40,48 @@ from sfm.model.segmenter import Segmenter, Task, save_segmenter
 from sfm.progress import Progress
 
 
-def encoder_of(job: dict[str, Any], cfg: JobConfig, seed: int):
-    """The encoder to fine-tune: the exported model at ``job["encoder_url"]``, or (none) the config's
+@dataclass
+class FinetuneJob(JobFile):
+    """What every rank of a fine-tuning run reads (``python -m sfm.finetune.job JOB.json``), and what the flow's
+    later steps score and register."""
+
+    config: JobConfig  # resolved; its [finetune] section is the recipe
+    encoder_url: str  # the exported encoder to fine-tune; "": the config's architecture, randomly initialised
+    encoder: str  # how lineage names it: NAME:vN, its URL, or random
+    task: str  # binary | classes:N
+    run_root: str
+    pairs: list[tuple[str, str]] = field(default_factory=list)  # (survey store URL, label store URL)
+    roles: list[str] = field(default_factory=list)  # each pair's: train | validation | test
+    label_ids: list[str] = field(default_factory=list)  # each pair's label set
+    module: ClassVar[str] = "sfm.finetune.job"
+
+    @property
+    def lineage(self) -> dict[str, Any]:
+        """What the task model records of its making: the encoder and the label sets."""
+        return {"encoder": self.encoder, "labels": list(self.label_ids)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "encoder_url": self.encoder_url, "task": self.task,
+                "run_root": self.run_root, "pairs": [list(p) for p in self.pairs], "roles": list(self.roles),
+                "lineage": self.lineage}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "FinetuneJob":
+        return cls(JobConfig.from_dict(data.get("config")), data["encoder_url"], data["lineage"]["encoder"],
+                   data["task"], data["run_root"], [tuple(p) for p in data["pairs"]], list(data["roles"]),
+                   list(data["lineage"]["labels"]))
+
+
+def encoder_of(job: FinetuneJob, seed: int):
+    """The encoder to fine-tune: the exported model at ``job.encoder_url``, or (none) the config's
     architecture at the random initialisation of ``seed`` (the same on every rank, drawn on the CPU)."""
     from sfm.model import load, model_config_for
     from sfm.model.mae import MaskedAutoencoder3D
 
-    if job["encoder_url"]:
-        return load(job["encoder_url"])
+    if job.encoder_url:
+        return load(job.encoder_url)
     torch.manual_seed(10_000 + seed)  # as the evaluation's random arm
-    return MaskedAutoencoder3D(model_config_for(cfg))
+    return MaskedAutoencoder3D(model_config_for(job.config))
 
 
 def training_classes(surveys: LabelledSurveys, split: Split, task: Task) -> list[float]:
@@ -86,15 +121,15 @@ def wrapped(net: Segmenter, world: int, freeze_encoder: bool):
     return parallelize_finetuning(net, world)
 
 
-def fine_tune(job: dict[str, Any], rank: int = 0, world: int = 1) -> dict[str, Any] | None:
+def fine_tune(job: FinetuneJob, rank: int = 0, world: int = 1) -> dict[str, Any] | None:
     """This rank's share of the run; rank 0 returns the summary (also written to the run root)."""
     t0 = time.perf_counter()
-    cfg = JobConfig.from_dict(job["config"])
+    cfg = job.config
     ft = cfg.finetune
-    mae = encoder_of(job, cfg, ft.seed)
-    surveys = LabelledSurveys([tuple(p) for p in job["pairs"]], finetune_data(cfg, mae.cfg.crop))
-    split = split_roles(surveys, job["roles"], ft.validation, ft.held_out)
-    task = Task.parse(job["task"], head=ft.head, width=ft.head_width)
+    mae = encoder_of(job, ft.seed)
+    surveys = LabelledSurveys(list(job.pairs), finetune_data(cfg, mae.cfg.crop))
+    split = split_roles(surveys, job.roles, ft.validation, ft.held_out)
+    task = Task.parse(job.task, head=ft.head, width=ft.head_width)
     weights = class_weights(training_classes(surveys, split, task))
     crops = LabelledCrops(surveys, split.train, rank, world)
     torch.manual_seed(ft.seed)
@@ -117,7 +152,7 @@ def fine_tune(job: dict[str, Any], rank: int = 0, world: int = 1) -> dict[str, A
                     freeze_encoder=True)
         progress.close()
         offset[0] = ft.probe_steps
-    recipe = dataclasses.replace(ft, lr=ft.lr_random) if not job["encoder_url"] and ft.lr_random > 0 else ft
+    recipe = dataclasses.replace(ft, lr=ft.lr_random) if not job.encoder_url and ft.lr_random > 0 else ft
     progress = Progress(recipe.steps, "fine-tune", every_s=cfg.train.log_every_s, enabled=rank == 0)
     train_steps(net, recipe, batches, reporting(loss_of, progress), forward=wrapped(net, world, False),
                 validate=validate, score_start=probe)
@@ -125,22 +160,22 @@ def fine_tune(job: dict[str, Any], rank: int = 0, world: int = 1) -> dict[str, A
     crops.close()
     if rank != 0:
         return None
-    model_url = storage.join(job["run_root"], "model")
-    save_segmenter(net, model_url, {"lineage": job["lineage"]})
+    model_url = storage.join(job.run_root, "model")
+    save_segmenter(net, model_url, {"lineage": job.lineage})
     summary = {"model_url": model_url, "steps": recipe.steps, "probe_steps": ft.probe_steps if probe else 0,
                "chosen_step": net.chosen_step, "validation": net.validation, "world_size": world,
                "lr": recipe.lr, "class_fractions": [float(1 / (len(weights) * w)) for w in weights.tolist()],
                "seconds": time.perf_counter() - t0}
-    storage.write_bytes(storage.join(job["run_root"], "summary.json"), json.dumps(summary, indent=1).encode())
+    storage.write_bytes(storage.join(job.run_root, "summary.json"), json.dumps(summary, indent=1).encode())
     print(f"sfm finetune: {recipe.steps} steps on {world} rank(s), kept step {net.chosen_step} "
           f"({summary['seconds']:.0f}s) -> {model_url}", flush=True)
     return summary
 
 
-def fine_tune_rank(job: dict[str, Any]) -> dict[str, Any] | None:
+def fine_tune_rank(job: FinetuneJob) -> dict[str, Any] | None:
     """:func:`fine_tune` as this process's rank of the launch (``RANK``, ``WORLD_SIZE`` from the launcher),
     in the process group it sets up for the job and ends after it."""
-    cfg = JobConfig.from_dict(job["config"])
+    cfg = job.config
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if cfg.train.threads_per_process > 0:
         torch.set_num_threads(cfg.train.threads_per_process)
@@ -157,7 +192,7 @@ def fine_tune_rank(job: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return job_file_main(argv, "sfm.finetune.job", "finetune", fine_tune_rank)
+    return job_file_main(argv, FinetuneJob, "finetune", fine_tune_rank)
 
 
 if __name__ == "__main__":

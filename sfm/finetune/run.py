@@ -4,7 +4,7 @@
     pairs = plan_pairs(surveys, labels, held_out, ...)          # start: every survey with its labels and role
     pairs = ingest_pairs(pairs, data_root, cfg.ingest)          # ingest: sfm.ingest.labels, surveys and labels published
     job = node_job(cfg, pairs, encoder, task, run_root)          # launch
-    summary = finetune_node(job, nodes, node_index, ...)        # finetune: 1..N ranks (sfm.finetune.job)
+    summary = finetune_node(job, nodes=N, node_index=K, ...)    # finetune: 1..N nodes x [dist] procs_per_node ranks
     metrics, figures = evaluate(job, summary)                   # evaluate: held-out AP, F1, IoU; the card
     record = register(data_root, name, job, summary, metrics, pathspec)   # register: sfm-<name>/vN
 """
@@ -15,10 +15,13 @@ import json
 from typing import Any
 
 from sfm import storage
-from sfm.model import registry
 from sfm.config import JobConfig
+from sfm.distributed.job import NodeLaunch
 from sfm.errors import SFMError
+from sfm.finetune.job import FinetuneJob
 from sfm.formats import manifest
+from sfm.model import registry
+
 
 def resolve_encoder(encoder: str, data_root: str, cfg: JobConfig) -> dict[str, Any]:
     """What ``--encoder`` names: ``random`` (the config's architecture, randomly initialised: the baseline),
@@ -76,34 +79,31 @@ def held_out_fraction(held_out: str) -> float | None:
 
 
 def node_job(cfg: JobConfig, pairs: list[dict[str, Any]], encoder: dict[str, Any], task: str,
-             run_root: str) -> dict[str, Any]:
-    """The job file every rank reads (:mod:`sfm.finetune.job`), after checking the task."""
+             run_root: str) -> FinetuneJob:
+    """The job every rank reads (:mod:`sfm.finetune.job`), after checking the task."""
     from sfm.model.segmenter import Task
 
     try:
         Task.parse(task, head=cfg.finetune.head)
     except ValueError as err:
         raise SFMError(f"--task {task}: {err}") from None
-    return {"config": cfg.to_dict(), "encoder_url": encoder["url"], "task": task, "run_root": run_root,
-            "pairs": [[p["store_url"], p["label_url"]] for p in pairs], "roles": [p["role"] for p in pairs],
-            "lineage": {"encoder": encoder["encoder"], "labels": [p["label_id"] for p in pairs]}}
+    return FinetuneJob(cfg, encoder["url"], encoder["encoder"], task, run_root,
+                       [(p["store_url"], p["label_url"]) for p in pairs], [p["role"] for p in pairs],
+                       [p["label_id"] for p in pairs])
 
 
-def finetune_node(job: dict[str, Any], *, nodes: int, procs_per_node: int, node_index: int, main_addr: str,
+def finetune_node(job: FinetuneJob, *, nodes: int, node_index: int, main_addr: str,
                   rendezvous_key: str) -> dict[str, Any] | None:
-    """Launch this node's fine-tuning processes (:func:`sfm.distributed.launch.launch_node`); node 0 returns
-    the run's summary."""
+    """Launch this node's fine-tuning processes, ``[dist] procs_per_node`` of them
+    (:func:`sfm.distributed.launch.run_node`); node 0 returns the run's summary."""
     from sfm.distributed import launch
 
-    node = launch.NodeLaunch(nodes, procs_per_node, node_index, main_addr, launch.port_for(rendezvous_key))
-    node.check(job["run_root"])
-    launch.launch_node(job, **vars(node), module="sfm.finetune.job")
-    if node_index != 0:
-        return None
-    return json.loads(storage.read_bytes(storage.join(job["run_root"], "summary.json")))
+    node = NodeLaunch(nodes, job.config.dist.procs_per_node, node_index, main_addr, launch.port_for(rendezvous_key))
+    node.check(job.run_root)
+    return launch.run_node(job, node)
 
 
-def evaluate(job: dict[str, Any], summary: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def evaluate(job: FinetuneJob, summary: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The task model's scores on the held-out labels (:func:`sfm.finetune.scores.held_out_scores`; a binary
     task's threshold chosen on the validation labels), and the figures of the card: the first held-out
     part's amplitude, labels and prediction."""
@@ -112,11 +112,11 @@ def evaluate(job: dict[str, Any], summary: dict[str, Any]) -> tuple[dict[str, An
     from sfm.finetune.scores import held_out_scores, threshold_of
     from sfm.model.segmenter import load_segmenter
 
-    cfg = JobConfig.from_dict(job["config"])
+    cfg = job.config
     ft = cfg.finetune
     net = load_segmenter(summary["model_url"])
-    surveys = LabelledSurveys([tuple(p) for p in job["pairs"]], finetune_data(cfg, net.crop))
-    split = split_roles(surveys, job["roles"], ft.validation, ft.held_out)
+    surveys = LabelledSurveys(list(job.pairs), finetune_data(cfg, net.crop))
+    split = split_roles(surveys, job.roles, ft.validation, ft.held_out)
     threshold, chosen_on = None, "the held-out labels (no validation labels)"
     if split.validation and net.task.kind == "binary":
         parts = [surveys.read_part(p) for p in split.validation]
@@ -130,25 +130,24 @@ def evaluate(job: dict[str, Any], summary: dict[str, Any]) -> tuple[dict[str, An
                    held_out_parts=len(parts))
     first = split.test[0]
     figures = {"amplitude": parts[0][0], "labels": parts[0][1], "prediction": probs[0], "axis": first.axis,
-               "survey": job["pairs"][first.survey][0], "task": net.task.to_dict()}
+               "survey": job.pairs[first.survey][0], "task": net.task.to_dict()}
     return metrics, figures
 
 
-def register(data_root: str, name: str, job: dict[str, Any], summary: dict[str, Any], metrics: dict[str, Any],
+def register(data_root: str, name: str, job: FinetuneJob, summary: dict[str, Any], metrics: dict[str, Any],
              run_pathspec: str) -> dict[str, Any]:
     """Register the task model as ``sfm-<name>`` with lineage to its encoder and label sets and its held-out
     scores; the champion is the version with the best held-out AP (by ``[registry] margin``)."""
-    
-    cfg = JobConfig.from_dict(job["config"])
+    cfg = job.config
     model_name = f"sfm-{name}"
-    roles = job["roles"]
+    roles = job.roles
     lineage = {"run_pathspec": run_pathspec, "manifest_version": manifest.version(data_root),
-               "code_version": registry.code_version(), "task": job["task"], "encoder": job["lineage"]["encoder"],
-               "encoder_url": job["encoder_url"],
-               "surveys": [s for (s, _), r in zip(job["pairs"], roles) if r == "train"],
-               "held_out_surveys": [s for (s, _), r in zip(job["pairs"], roles) if r == "test"],
+               "code_version": registry.code_version(), "task": job.task, "encoder": job.encoder,
+               "encoder_url": job.encoder_url,
+               "surveys": [s for (s, _), r in zip(job.pairs, roles) if r == "train"],
+               "held_out_surveys": [s for (s, _), r in zip(job.pairs, roles) if r == "test"],
                "labels": [{"label_id": i, "survey": s, "role": r}
-                          for i, (s, _), r in zip(job["lineage"]["labels"], job["pairs"], roles)]}
+                          for i, (s, _), r in zip(job.label_ids, job.pairs, roles)]}
     record = registry.register(data_root, model_name, summary["model_url"], config=cfg.to_dict(), metrics=metrics,
                                lineage=lineage, champion=registry.Champion("ap", cfg.registry.margin))
     print(f"sfm register: {model_name} v{record['version']}{' (champion)' if record['champion'] else ''}: held-out "

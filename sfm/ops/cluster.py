@@ -16,6 +16,9 @@ sets no environment.
 
 from __future__ import annotations
 
+import copy
+import functools
+import json
 from typing import Any
 
 from metaflow import StepMutator
@@ -38,8 +41,15 @@ INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 
 
 def job_of(config: Any) -> JobConfig:
-    """The JobConfig of a TOML dict or Metaflow ConfigValue, defaults filled (for config expressions)."""
-    return JobConfig.from_dict(dict(config or {}))
+    """The JobConfig of a TOML dict or Metaflow ConfigValue, defaults filled: what a flow's config expressions
+    (its parameters' defaults, its decorators' arguments) and its ``start`` read. Metaflow evaluates those in every
+    process of a run, so each process parses a config once (:func:`_parsed`); every call gets its own copy."""
+    return copy.deepcopy(_parsed(json.dumps(dict(config or {}), sort_keys=True, default=str)))
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(config_json: str) -> JobConfig:
+    return JobConfig.from_dict(json.loads(config_json))
 
 
 def cluster_of(config: Any) -> ClusterConfig:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,46 +20,17 @@ from sfm.errors import SFMError
 HELD_OUT_SEED = 500  # generated held-out surveys: seeds 500, 501, ...; training surveys 0, 1, ...
 
 
-@dataclass
-class Overrides:
-    """The explicit parameters of the flow or the CLI, on top of the TOML config (0 or "": the config's)."""
-
-    preset: str = ""
-    max_steps: int = 0
-    nodes: int = 0
-    procs_per_node: int = 0
-    cp: int = 0
-    strategy: str = ""
-    launcher: str = ""
-    accelerate_config: str = ""
-
-
-def with_overrides(cfg: JobConfig, overrides: Overrides) -> JobConfig:
-    """``cfg`` with the explicit parameters of the flow or the CLI on top, then the Accelerate config file it
-    names mapped onto it (:func:`sfm.distributed.accelerate_config.apply`: a conflict is refused here, before
-    any work)."""
+def job_config(cfg: JobConfig) -> JobConfig:
+    """The job as it will run: ``cfg`` (the TOML config with the flow's parameters or the CLI's arguments on top,
+    :meth:`JobConfig.override`) with the Accelerate config file it names mapped onto it
+    (:func:`sfm.distributed.accelerate_config.apply`), every section checked, and the model layer's check: a
+    conflict or a bad setting is refused here, before any work. Changes ``cfg`` and returns it."""
     from sfm.distributed import accelerate_config
-
-    o = overrides
-    for key, value in (("dist.nodes", o.nodes), ("dist.procs_per_node", o.procs_per_node), ("dist.cp", o.cp),
-                       ("dist.strategy", o.strategy), ("dist.launcher", o.launcher),
-                       ("dist.accelerate_config", o.accelerate_config), ("model.preset", o.preset),
-                       ("train.max_steps", o.max_steps)):
-        if value:
-            cfg.set(key, value)
-    accelerate_config.apply(cfg)
-    return cfg
-
-
-def job_config(config: dict | None, overrides: Overrides | None = None) -> JobConfig:
-    """The resolved job config: the TOML config, then the flow's explicit parameters on top, checked."""
-    cfg = with_overrides(JobConfig.from_dict(config or {}), overrides or Overrides())
-    if cfg.dist.nodes < 1 or cfg.dist.procs_per_node < 1:
-        raise SFMError("--nodes and --procs-per-node must be at least 1")
-    cfg.validate()
     from sfm.model import model_config_for
 
-    model_config_for(cfg)  # the model layer's check: the preset makes a model at the job's crop and masking
+    accelerate_config.apply(cfg)
+    cfg.validate()
+    model_config_for(cfg)  # the preset makes a model at the job's crop and masking
     return cfg
 
 
@@ -128,19 +98,16 @@ def generate_demo_surveys(data_root: str, synth: SynthConfig | None = None) -> l
     return plan
 
 
-def plan_ingest(plan: list[dict[str, Any]], data_root: str, cfg: JobConfig, run_key: str, parts: int = 0
-                ) -> list[dict[str, Any]]:
-    """The scan tasks of every planned survey (survey x part: :func:`sfm.ingest.parts.plan_scans`), each
-    with its survey's index and ``held_out``. ``parts`` (the flow's ``--ingest-parts``) overrides
-    ``ingest.parts``; a survey's parts stage their work under a key unique to this run and survey."""
+def plan_ingest(plan: list[dict[str, Any]], data_root: str, cfg: JobConfig, run_key: str) -> list[dict[str, Any]]:
+    """The scan tasks of every planned survey (survey x part: :func:`sfm.ingest.parts.plan_scans`, ``ingest.parts``
+    of them, the flow's ``--ingest-parts``), each with its survey's index and ``held_out``; a survey's parts stage
+    their work under a key unique to this run and survey."""
     from sfm.ingest.parts import plan_scans
 
-    if int(parts) < 0:
-        raise SFMError(f"--ingest-parts {parts} is not a number of tasks; give 0 (by size, ingest.part_gb) or more")
     scans = []
     for index, source in enumerate(plan):
-        for scan in plan_scans(source["url"], f"{run_key}-{index}", data_root, cfg.ingest, parts,
-                               source.get("kind", "segy")):
+        for scan in plan_scans(source["url"], f"{run_key}-{index}", data_root, cfg.ingest,
+                               kind=source.get("kind", "segy")):
             scans.append({**scan, "survey": index, "held_out": bool(source["held_out"])})
     return scans
 
@@ -195,9 +162,10 @@ def pretrain_node(cfg: JobConfig, *, train_stores: list[str], run_root: str, nod
     """Launch this node's training processes, all writing under ``run_root`` (:func:`run_root`); node 0
     returns the training summary."""
     from sfm.distributed import launch
+    from sfm.distributed.job import NodeLaunch, node_job
 
-    node = launch.NodeLaunch(nodes, cfg.dist.procs_per_node, node_index, main_addr, launch.port_for(rendezvous_key))
-    return launch.train_node(launch.node_job(cfg, train_stores, run_root, node), node)
+    node = NodeLaunch(nodes, cfg.dist.procs_per_node, node_index, main_addr, launch.port_for(rendezvous_key))
+    return launch.run_node(node_job(cfg, train_stores, run_root, node), node)
 
 
 def resolve_init_from(cfg: JobConfig, init_from: str, data_root: str) -> JobConfig:

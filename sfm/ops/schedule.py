@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sfm.config import JobConfig
+from sfm.ops.cluster import job_of
 from sfm.errors import SFMError
 
 
@@ -20,13 +20,13 @@ def schedule_cron(config: dict | None) -> str | None:
     ``hourly``/``daily``/``weekly`` are Metaflow's own expressions; anything else is taken as a cron
     expression as written.
     """
-    value = JobConfig.from_dict(dict(config or {})).retrain.schedule.strip()
+    value = job_of(config).retrain.schedule.strip()
     return _NAMED_SCHEDULES.get(value.lower(), value) or None
 
 
 def trigger_event(config: dict | None) -> dict[str, Any]:
     """The ``@trigger`` event: ``[retrain] event``, its payload fields mapped onto the flow's parameters."""
-    name = JobConfig.from_dict(dict(config or {})).retrain.event.strip()
+    name = job_of(config).retrain.event.strip()
     if not name:
         raise SFMError("config [retrain] event is empty; name the Argo Event that triggers retraining")
     fields = ("surveys", "held_out", "init_from", "data_root")  # payload fields, as `sfm watch` publishes them

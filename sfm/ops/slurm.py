@@ -1,7 +1,7 @@
 """Training outside Metaflow: the surveys ``sfm train`` trains on, and the sbatch script that runs
 ``sfm train`` on every node of a Slurm allocation (``sfm slurm-script``), e.g. on SageMaker HyperPod Slurm.
 
-``sfm train`` runs one node's share of the job (:func:`sfm.distributed.launch.train_node`): torchrun or
+``sfm train`` runs one node's share of the job (:func:`sfm.distributed.launch.run_node`): torchrun or
 ``accelerate launch`` (``[dist] launcher``) starts ``procs_per_node`` processes of ``python -m
 sfm.train.trainer`` that rendezvous with the other nodes at ``main_addr:main_port``. All state lives under
 ``run_root`` (checkpoints in ``<run_root>/ckpt``), so running the same command again -- by hand, or by
@@ -86,8 +86,6 @@ def _registered_mdio(url: str, data_root: str) -> str:
 class SbatchOptions:
     data_root: str  # where the surveys' manifest is (s3://...)
     run_root: str  # checkpoints, final model, summary: the state a requeued job resumes from
-    nodes: int
-    procs_per_node: int
     surveys: str = ""  # comma-separated store URLs instead of the manifest's surveys
     held_out: str = ""
     job_name: str = "sfm-pretrain"
@@ -101,10 +99,10 @@ class SbatchOptions:
 
 
 def render_sbatch(cfg: JobConfig, opts: SbatchOptions, command_line: str = "") -> str:
-    """The sbatch script for ``opts.nodes`` nodes x ``opts.procs_per_node`` processes of this job (``cfg``
-    resolved: :func:`sfm.ops.pipeline.with_overrides` has mapped its Accelerate config file into it)."""
-    if opts.nodes < 1 or opts.procs_per_node < 1:
-        raise SFMError(f"--nodes {opts.nodes} and --procs-per-node {opts.procs_per_node} must be at least 1")
+    """The sbatch script for ``[dist] nodes`` x ``procs_per_node`` processes of this job (``cfg`` resolved:
+    :func:`sfm.ops.pipeline.job_config` has mapped its Accelerate config file into it and checked it)."""
+    cfg.dist.check()
+    nodes, procs = cfg.dist.nodes, cfg.dist.procs_per_node
     for flag, url in (("--run-root", opts.run_root), ("--data-root", opts.data_root)):
         if url and not (storage.is_s3(url) or url.startswith("/")):
             raise SFMError(f"{flag} {url} must be an s3:// URL or an absolute path on a shared filesystem: every "
@@ -115,13 +113,11 @@ def render_sbatch(cfg: JobConfig, opts: SbatchOptions, command_line: str = "") -
         raise SFMError(f"--requeue-before {opts.requeue_before_s}s is too short to requeue; use at least 60")
     from sfm.ops.cluster import node_environment
 
-    cfg.set("dist.nodes", opts.nodes)
-    cfg.set("dist.procs_per_node", opts.procs_per_node)
     mapped_from = cfg.dist.accelerate_config
     cfg.set("dist.accelerate_config", "")  # mapped into the config below (sfm.distributed.accelerate_config.apply)
     gpus = cfg.cluster.gpu
     q = shlex.quote
-    sbatch = [f"--job-name={opts.job_name}", f"--nodes={opts.nodes}", "--ntasks-per-node=1", "--exclusive",
+    sbatch = [f"--job-name={opts.job_name}", f"--nodes={nodes}", "--ntasks-per-node=1", "--exclusive",
               *([f"--gpus-per-node={gpus}"] if gpus else []),
               *([f"--partition={opts.partition}"] if opts.partition else []),
               *([f"--account={opts.account}"] if opts.account else []),
@@ -140,7 +136,7 @@ def render_sbatch(cfg: JobConfig, opts: SbatchOptions, command_line: str = "") -
         launcher=cfg.dist.launcher,
         exports="\n".join(f"export {k}={q(v)}" for k, v in env.items()) or "# (none: [cluster] sets no EFA or env)",
         config=cfg.to_toml(),
-        run_root=q(opts.run_root), data_args=data_args, procs=opts.procs_per_node,
+        run_root=q(opts.run_root), data_args=data_args, procs=procs,
         setup=opts.setup or ":", srun=srun, signal=REQUEUE_SIGNAL,
     )
 

@@ -328,15 +328,15 @@ def run_plan(opts: WatchOptions) -> dict[str, Any]:
     from sfm.model import registry
     from sfm.formats import manifest
 
-    model_name = JobConfig.from_toml(opts.config or None, opts.overrides).registry.model_name
+    cfg = JobConfig.from_toml(opts.config or None, opts.overrides)
+    model_name = cfg.registry.model_name
     champion = registry.champion_version(opts.data_root, model_name)
     record = registry.get(opts.data_root, model_name, champion) if champion else None
-    with tempfile.TemporaryDirectory(prefix="sfm-watch-") as tmp:
-        path = opts.config
-        if not path and record is not None:
+    if not opts.config and record is not None:
+        with tempfile.TemporaryDirectory(prefix="sfm-watch-") as tmp:
             path = os.path.join(tmp, "champion.toml")
             Path(path).write_text(toml_text(record["config"]))
-        cfg = JobConfig.from_toml(path or None, opts.overrides)
+            cfg = JobConfig.from_toml(path, opts.overrides)
     held_out = storage.split_urls(opts.held_out)
     if not held_out and record is not None:
         rows = manifest.read(opts.data_root)

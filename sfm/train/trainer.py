@@ -16,8 +16,8 @@ writes under its ``run_root``::
     summary.json           loss history and throughput (written last)
     tensorboard/           Accelerate's TensorBoard logs
 
-The job file is JSON: {"config": JobConfig dict, "surveys": [store URLs], "run_root": URL}
-(:func:`sfm.distributed.launch.node_job` builds it).
+The job file is a :class:`sfm.distributed.job.TrainJob` as JSON: {"config": JobConfig dict, "surveys": [store
+URLs], "run_root": URL} (:func:`sfm.distributed.job.node_job` builds it), read once at the process's entry.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from sfm import storage
 from sfm.config import JobConfig
 from sfm.data import BatchStream, training_stream
 from sfm.distributed.accelerate_launch import check_environment, precision_of
+from sfm.distributed.job import TrainJob
 from sfm.distributed.launch import environment_for_workers, job_file_main
 from sfm.distributed.layout import Layout, replica_digests
 from sfm.distributed.parallelize import parallelize
@@ -125,12 +126,12 @@ class Trainer:
     ``health``: this process's watchdog, heartbeat and non-finite guard; ``injected``: the failures
     to inject (tests of the health handling)."""
 
-    def __init__(self, job: dict[str, Any], cfg: JobConfig, accelerator, health: RunHealth,
+    def __init__(self, job: TrainJob, cfg: JobConfig, accelerator, health: RunHealth,
                  injected: FailureInjection):
         self.job, self.cfg, self.accelerator, self.injected = job, cfg, accelerator, injected
         self.watchdog, self.heartbeat, self.guard = health
         self.health = health
-        self.run_root = job["run_root"]
+        self.run_root = job.run_root
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.layout = Layout.of(self.rank, self.world, cfg.dist.cp)
         self.main = accelerator.is_main_process
@@ -230,7 +231,7 @@ class Trainer:
         ``sfm.distributed.context_parallel.CropSlab``, else None)."""
         layout = self.layout
         on_slab = {"slab": (slab.start, slab.stop)} if slab is not None else {}
-        return training_stream(self.job["surveys"], self.cfg.data, rank=layout.dp_rank, world_size=layout.dp,
+        return training_stream(self.job.surveys, self.cfg.data, rank=layout.dp_rank, world_size=layout.dp,
                                node_ranks=min(self.world, self.cfg.dist.procs_per_node),
                                worker_init=environment_for_workers(), **on_slab)
 
@@ -360,13 +361,12 @@ class Trainer:
         return summary
 
 
-def train(job: dict[str, Any]) -> TrainSummary | None:
+def train(job: TrainJob) -> TrainSummary | None:
     """Run (or continue) one training job; returns the summary on the main process."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    cfg = JobConfig.from_dict(job["config"])
-    run_root = job["run_root"]
+    cfg, run_root = job.config, job.run_root
     cuda = torch.cuda.is_available()
     precision = precision_of(cfg.train, cuda)
     # started by accelerate launch: its ACCELERATE_* settings must be the job's, which the trainer applies
@@ -413,7 +413,7 @@ def train(job: dict[str, Any]) -> TrainSummary | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return job_file_main(argv, "sfm.train.trainer", "train", train)
+    return job_file_main(argv, TrainJob, "train", train)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from support.accelerate_files import FSDP2, write_config
 from support.flowrun import client_view, fast_job_toml, run_flow
 from support.training import assert_same_run, make_survey_store
 
+from sfm.distributed.job import NodeLaunch, TrainJob
 from sfm.distributed.launch import launch_node
 
 pytestmark = pytest.mark.long(1)
@@ -45,8 +46,7 @@ def launch_two_nodes(job: dict) -> None:
 
     def node(rank: int) -> None:
         try:
-            launch_node(job, nodes=2, procs_per_node=1, node_rank=rank, main_addr="127.0.0.1", main_port=port,
-                        timeout_s=300)
+            launch_node(TrainJob.from_dict(job), NodeLaunch(2, 1, rank, "127.0.0.1", port), timeout_s=300)
         except Exception as err:  # reported below
             errors.append(repr(err))
 

@@ -68,6 +68,7 @@ def test_parallel_pretrain_survives_a_killed_rank_and_equals_one_process(nodes, 
     assert len(digests) == nodes * procs and len(set(digests)) == 1, digests
 
     # one process, the same global batch and seed, uninterrupted
+    from sfm.distributed.job import NodeLaunch, TrainJob
     from sfm.distributed.launch import free_port, launch_node
 
     run_root = Path(view["run_root"])  # the pretrain step's artifact
@@ -76,8 +77,8 @@ def test_parallel_pretrain_survives_a_killed_rank_and_equals_one_process(nodes, 
     ref_config["data"]["batch_size"] = 8
     ref_config["dist"].update(nodes=1, procs_per_node=1, cp=1)
     ref_root = tmp_path / "reference"
-    launch_node({"config": ref_config, "surveys": view["train_stores"], "run_root": str(ref_root)}, nodes=1,
-                procs_per_node=1, node_rank=0, main_addr="127.0.0.1", main_port=free_port())
+    launch_node(TrainJob.from_dict({"config": ref_config, "surveys": view["train_stores"], "run_root": str(ref_root)}),
+                NodeLaunch(1, 1, 0, "127.0.0.1", free_port()))
     ref_history = json.loads((ref_root / "summary.json").read_text())["history"]
     assert [h["loss"] for h in summary["history"]] == pytest.approx([h["loss"] for h in ref_history],
                                                                     rel=1e-4, abs=1e-6)

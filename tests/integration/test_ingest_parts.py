@@ -18,6 +18,7 @@ from support.flowrun import client_view, fast_job_toml, run_flow, task_view
 from sfm.config import IngestConfig
 from sfm.errors import SFMError
 from sfm.formats import manifest, segy
+from sfm.formats.store_layout import split_runs
 from sfm.ingest import parts
 from sfm.ingest.survey import ingest_survey
 
@@ -62,8 +63,8 @@ def test_parts_written_in_any_order_publish_the_one_task_store(dtype, tmp_path, 
 
 
 def test_split_and_part_count():
-    assert parts.split(5, 4) == [(0, 1), (1, 2), (2, 3), (3, 5)]
-    assert parts.split(2, 4) == [(0, 1), (1, 2)]  # never more parts than items
+    assert split_runs(5, 4) == [(0, 1), (1, 2), (2, 3), (3, 5)]
+    assert split_runs(2, 4) == [(0, 1), (1, 2)]  # never more parts than items
     cfg = IngestConfig(part_gb=10.0)
     assert parts.part_count(25e9, cfg) == 3 and parts.part_count(1e6, cfg) == 1
     assert parts.part_count(25e9, cfg, parts=8) == 8 and parts.part_count(25e9, IngestConfig(parts=2)) == 2

@@ -67,13 +67,14 @@ def test_killed_pretrain_retries_then_resumes_to_the_uninterrupted_weights(strat
     assert [h["step"] for h in summary["history"]] == list(range(1, MAX_STEPS + 1))
 
     # the same job, uninterrupted, through the same launcher, on as many ranks (one node)
+    from sfm.distributed.job import NodeLaunch, TrainJob
     from sfm.distributed.launch import free_port, launch_node
 
     run_root = Path(view["run_root"])  # the pretrain step's artifact
     assert summary["model_url"] == str(run_root / "final")
     job = {"config": json.loads((run_root / "job_config.json").read_text()), "surveys": view["train_stores"],
            "run_root": str(tmp_path / "reference")}
-    launch_node(job, nodes=1, procs_per_node=NODES, node_rank=0, main_addr="127.0.0.1", main_port=free_port())
+    launch_node(TrainJob.from_dict(job), NodeLaunch(1, NODES, 0, "127.0.0.1", free_port()))
     assert_same_run(str(run_root), str(tmp_path / "reference"))  # bit for bit
     registered = registry.verified_files(str(data_root), view["model_name"], view["model_version"])
     reference = final_weights(str(tmp_path / "reference"))

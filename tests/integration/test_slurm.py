@@ -52,7 +52,8 @@ def test_config_toml_round_trips():
 
 def test_sbatch_refuses_node_local_paths():
     with pytest.raises(SFMError, match="--run-root runs/a must be an s3:// URL or an absolute path"):
-        render_sbatch(JobConfig(), SbatchOptions(data_root="s3://b/sfm", run_root="runs/a", nodes=2, procs_per_node=8))
+        render_sbatch(JobConfig().override(nodes=2, procs_per_node=8), SbatchOptions(data_root="s3://b/sfm",
+                                                                                     run_root="runs/a"))
 
 
 @pytest.mark.timeout(300)

@@ -37,6 +37,7 @@ def test_int8_batches_train_as_float32_batches_of_the_same_store(int8_store, tmp
 
 
 def _train_both(int8_store: str, tmp_path: Path, scratch: Path) -> None:
+    from sfm.distributed.job import NodeLaunch, TrainJob
     from sfm.distributed.launch import free_port, launch_node
 
     histories = {}
@@ -46,7 +47,7 @@ def _train_both(int8_store: str, tmp_path: Path, scratch: Path) -> None:
         job["config"]["data"].update(batch_dtype=dtype, crops_per_region=4, workers=1,
                                      pool_dir=str(tmp_path / f"pool-{dtype}"))
         job["config"]["train"]["log_every"] = 1
-        launch_node(job, nodes=1, procs_per_node=1, node_rank=0, main_addr="127.0.0.1", main_port=free_port())
+        launch_node(TrainJob.from_dict(job), NodeLaunch(1, 1, 0, "127.0.0.1", free_port()))
         histories[dtype] = [h["loss"] for h in json.loads((run_root / "summary.json").read_text())["history"]]
     assert len(histories["int8"]) == 8
     assert histories["int8"] == pytest.approx(histories["float32"], rel=1e-4)

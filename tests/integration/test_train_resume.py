@@ -158,14 +158,14 @@ def test_two_ranks_resume_together_when_one_cannot_read_the_latest(survey_store,
     """Two gloo ranks under torchrun. Rank 1's part of the newest checkpoint is unreadable: rank 1
     falls back, rank 0 could read it, and both continue from the older one (never out of step),
     ending with the weights of the uninterrupted two-rank run."""
+    from sfm.distributed.job import NodeLaunch, TrainJob
     from sfm.distributed.launch import free_port, launch_node
 
     run_root = tmp_path / "run"
     job = make_job(survey_store, str(run_root))
     job["config"]["train"]["max_steps"] = 2 * EVERY
     job["config"]["dist"] = {"procs_per_node": 2}
-    launch = dict(nodes=1, procs_per_node=2, node_rank=0, main_addr="127.0.0.1")
-    launch_node(job, main_port=free_port(), **launch)
+    launch_node(TrainJob.from_dict(job), NodeLaunch(1, 2, 0, "127.0.0.1", free_port()))
     uninterrupted = final_weights(str(run_root))
     assert checkpoint.complete_steps(str(run_root / "ckpt")) == [EVERY, 2 * EVERY]
     rank1 = run_root / "ckpt" / f"step-{2 * EVERY:06d}" / "rank1.pt"
@@ -175,7 +175,8 @@ def test_two_ranks_resume_together_when_one_cannot_read_the_latest(survey_store,
     log = tmp_path / "restart.log"
     with open(log, "w") as fh:
         proc = subprocess.run([sys.executable, "-c", "import json, sys; from sfm.distributed.launch import launch_node; "
-                               f"launch_node(json.loads(sys.argv[1]), main_port={free_port()}, **{launch!r})",
+                               "from sfm.distributed.job import NodeLaunch, TrainJob; launch_node(TrainJob.from_dict("
+                               f"json.loads(sys.argv[1])), NodeLaunch(1, 2, 0, '127.0.0.1', {free_port()}))",
                                json.dumps(job)], cwd=PROJECT, stdout=fh, stderr=subprocess.STDOUT, timeout=380)
     text = log.read_text()
     assert proc.returncode == 0, text[-3000:]

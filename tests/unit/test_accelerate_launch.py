@@ -14,21 +14,22 @@ from support.accelerate_files import FSDP2, ZERO2, launch_arguments, launch_envi
 from sfm.config import JobConfig
 from sfm.distributed import launch
 from sfm.distributed.accelerate_launch import SWITCHES, check_environment
+from sfm.distributed.job import NodeLaunch, TrainJob
 from sfm.errors import SFMError
 
 
-def accelerate_job(**dist: object) -> dict:
-    return {"config": {"dist": {"launcher": "accelerate", **dist}}, "surveys": [], "run_root": "/tmp/unused"}
+def accelerate_job(**dist: object) -> TrainJob:
+    return TrainJob(JobConfig().override(launcher="accelerate", **dist), [], "/tmp/unused")
 
 
 def test_a_node_is_launched_as_accelerate_reads_its_launch_config(tmp_path):
     port = free_port()
     for nodes, procs, rank in ((2, 1, 1), (1, 4, 0), (1, 1, 0)):
-        node = launch.NodeLaunch(nodes, procs, rank, "10.1.2.3" if nodes > 1 else "127.0.0.1", port)
+        node = NodeLaunch(nodes, procs, rank, "10.1.2.3" if nodes > 1 else "127.0.0.1", port)
         command = launch.node_command(accelerate_job(), node, str(tmp_path))
         assert command[:4] == [sys.executable, "-m", "sfm.distributed.rank_launcher", "accelerate"]
         assert command[-3:] == ["-m", "sfm.train.trainer", str(tmp_path / "job.json")]
-        assert json.loads((tmp_path / "job.json").read_text()) == accelerate_job()
+        assert TrainJob.read(str(tmp_path / "job.json")) == accelerate_job()
         args = launch_arguments(command)
         assert (args.num_machines, args.num_processes, args.machine_rank, args.max_restarts, args.module,
                 args.training_script, args.training_script_args) == \
@@ -48,8 +49,8 @@ def test_a_node_is_launched_as_accelerate_reads_its_launch_config(tmp_path):
 
 
 def test_torchrun_stays_the_default_launcher(tmp_path):
-    node = launch.NodeLaunch(2, 8, 1, "10.1.2.3", 29400)
-    command = launch.node_command({"config": {}}, node, str(tmp_path))
+    node = NodeLaunch(2, 8, 1, "10.1.2.3", 29400)
+    command = launch.node_command(TrainJob(JobConfig()), node, str(tmp_path))
     assert command[1:4] == ["-m", "sfm.distributed.rank_launcher", "torchrun"] and "--nnodes=2" in command and \
         "--node-rank=1" in command and "--master-addr=10.1.2.3" in command and "--nproc-per-node=8" in command
 

@@ -7,9 +7,15 @@ import pytest
 from sfm.errors import SFMError
 
 
-def test_job_settings_are_validated_with_the_key_and_the_fix():
+def resolved(config: dict, **named):
+    """The job the flow's ``start`` (and ``sfm train``) resolves from a TOML dict and named parameters."""
+    from sfm.config import JobConfig
     from sfm.ops import pipeline
 
+    return pipeline.job_config(JobConfig.from_dict(config).override(**named))
+
+
+def test_job_settings_are_validated_with_the_key_and_the_fix():
     for kwargs, words in ((dict(max_steps=-5),
                            "train.max_steps = -5 must be at least 1; give a positive one: --max-steps N (the pretrain flow)"),
                           (dict(preset="gigantic"), "valid presets are tiny, mini"),
@@ -23,15 +29,34 @@ def test_job_settings_are_validated_with_the_key_and_the_fix():
                           (dict(config={"train": {"optimizer": "sgd"}}), "train.optimizer = 'sgd' is not valid"),
                           (dict(launcher="mpirun"), "dist.launcher = 'mpirun' is not valid; use one of torchrun, "
                            "accelerate"),
+                          (dict(nodes=0), "dist.nodes = 0 must be at least 1; pass --nodes 1 or more"),
+                          (dict(config={"dist": {"procs_per_node": -1}}),
+                           "dist.procs_per_node = -1 must be at least 1; pass --procs-per-node 1 or more"),
                           (dict(config={"train": {"optimizer": "muon"}}, strategy="fsdp2-full", procs_per_node=2),
                            "fsdp2-full's shards do not hold; use dist.strategy = ddp")):
         config = kwargs.pop("config", {})
         with pytest.raises(SFMError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
-            pipeline.job_config(config, pipeline.Overrides(**kwargs))
-    pipeline.job_config({})  # the defaults pass
-    assert pipeline.job_config({"model": {"decoder_mask_ratio": 0.5}}).model.decoder_mask_ratio == 0.5
-    pipeline.job_config({"ingest": {"dtype": "int8"}, "data": {"batch_dtype": "int8"}})
-    pipeline.job_config({"train": {"optimizer": "muon"}}, pipeline.Overrides(procs_per_node=2))  # DDP: whole matrices
+            resolved(config, **kwargs)
+    resolved({})  # the defaults pass
+    assert resolved({"model": {"decoder_mask_ratio": 0.5}}).model.decoder_mask_ratio == 0.5
+    resolved({"ingest": {"dtype": "int8"}, "data": {"batch_dtype": "int8"}})
+    resolved({"train": {"optimizer": "muon"}}, procs_per_node=2)  # DDP: whole matrices
+
+
+def test_overrides_and_named_parameters_take_one_path():
+    """``section.key=value`` overrides, then the named parameters of the flows and the CLI (None: not given, the
+    config's value stays); a name that is not a parameter is a bug."""
+    from sfm.config import PARAMETERS, JobConfig
+
+    cfg = JobConfig.from_dict({"dist": {"nodes": 4}}).override(["train.max_steps=9", "dist.cp=2"], cp=1, nodes=None,
+                                                                 preset="mini", ingest_parts=3)
+    assert (cfg.train.max_steps, cfg.dist.cp, cfg.dist.nodes, cfg.model.preset, cfg.ingest.parts) == (9, 1, 4, "mini", 3)
+    assert JobConfig.from_toml(None, ["train.max_steps=9"]).to_dict() == JobConfig().override(["train.max_steps=9"]).to_dict()
+    assert all(JobConfig().override(**{name: None}).to_dict() == JobConfig().to_dict() for name in PARAMETERS)
+    with pytest.raises(SFMError, match="override 'train.max_steps' must look like section.key=value"):
+        JobConfig().override(["train.max_steps"])
+    with pytest.raises(TypeError, match="max_stepz is not a job parameter"):
+        JobConfig().override(max_stepz=3)
 
 
 def test_keys_no_release_reads_are_unknown():
@@ -123,18 +148,16 @@ def test_deepspeed_strategies_refuse_muon_context_parallelism_and_a_missing_extr
     DeepSpeed's own Muon is not the project's), cp > 1, and DeepSpeed not installed."""
     import sys
 
-    from sfm.ops import pipeline
-
     for strategy in ("deepspeed-zero2", "deepspeed-zero3"):
-        assert pipeline.job_config({}, pipeline.Overrides(strategy=strategy, nodes=2)).dist.strategy == strategy
+        assert resolved({}, strategy=strategy, nodes=2).dist.strategy == strategy
         with pytest.raises(SFMError, match=f"train.optimizer = muon .* which {strategy}'s shards do not hold"):
-            pipeline.job_config({"train": {"optimizer": "muon"}}, pipeline.Overrides(strategy=strategy, procs_per_node=2))
+            resolved({"train": {"optimizer": "muon"}}, strategy=strategy, procs_per_node=2)
         with pytest.raises(SFMError, match=f"dist.cp = 2 runs with dist.strategy = ddp .*; {strategy} with context"):
-            pipeline.job_config({}, pipeline.Overrides(strategy=strategy, procs_per_node=2, cp=2))
+            resolved({}, strategy=strategy, procs_per_node=2, cp=2)
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if the extra were not installed
     with pytest.raises(SFMError, match=r"^dist.strategy = deepspeed-zero3 needs DeepSpeed: pip install 'sfm\[deepspeed\]'"):
-        pipeline.job_config({}, pipeline.Overrides(strategy="deepspeed-zero3", procs_per_node=2))
-    pipeline.job_config({}, pipeline.Overrides(strategy="deepspeed-zero3"))  # one process trains without it
+        resolved({}, strategy="deepspeed-zero3", procs_per_node=2)
+    resolved({}, strategy="deepspeed-zero3")  # one process trains without it
 
 
 def test_the_process_group_backend_is_the_configured_one_or_follows_the_device():

@@ -3,6 +3,8 @@ lines, the loss over labelled voxels only, and the held-out scores."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -148,7 +150,7 @@ def test_a_classes_task_fine_tunes_from_random_init_and_scores_every_class(tmp_p
     assert set(metrics["per_class"]) == {"0", "1", "2"} and "threshold" not in metrics
     assert figures["prediction"].shape[0] == 3 and figures["prediction"].shape[1:] == figures["labels"].shape
     with pytest.raises(SFMError, match="pass --task classes:3"):
-        ftjob.fine_tune({**job, "task": "binary"})
+        ftjob.fine_tune(dataclasses.replace(job, task="binary"))
 
 
 def test_a_fine_tuning_process_reports_a_bad_job_file_in_one_line(tmp_path, capsys):

@@ -2,7 +2,9 @@
 
 import socket
 
+from sfm.config import JobConfig
 from sfm.distributed import launch
+from sfm.distributed.job import NodeLaunch, TrainJob
 
 
 def test_derived_ports_stay_below_the_ephemeral_range():
@@ -26,7 +28,7 @@ def test_a_single_node_job_moves_off_a_taken_port(monkeypatch):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         taken = busy.getsockname()[1]
-        launch.launch_node({}, nodes=1, procs_per_node=1, node_rank=0, main_addr="127.0.0.1", main_port=taken)
+        launch.launch_node(TrainJob(JobConfig()), NodeLaunch(1, 1, 0, "127.0.0.1", taken))
         assert seen["port"] != taken
-        launch.launch_node({}, nodes=2, procs_per_node=1, node_rank=0, main_addr="127.0.0.1", main_port=taken)
+        launch.launch_node(TrainJob(JobConfig()), NodeLaunch(2, 1, 0, "127.0.0.1", taken))
         assert seen["port"] == taken  # other nodes derive the same port: a multi-node job keeps it
