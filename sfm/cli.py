@@ -12,6 +12,7 @@ import sys
 
 from sfm.config import INGEST_DTYPES, LAUNCHERS, STRATEGIES, IngestConfig
 from sfm.errors import SFMError
+from sfm.flows import FLOWS
 from sfm.user_errors import exit_status
 
 
@@ -165,6 +166,18 @@ def _cmd_watch(args: argparse.Namespace) -> None:
                         publish_event=args.publish_event, event_url=args.event_url, lease_s=args.lease,
                         wait_s=args.wait)
     watch(opts, interval_s=args.interval, once=args.once)
+
+
+def _cmd_flow(args: argparse.Namespace) -> None:
+    """Run a packaged flow: this process becomes ``python sfm/flows/NAME_flow.py ARGS``
+    (:func:`sfm.flows.flow_command`), so Metaflow has the terminal, the signals and the exit status."""
+    import os
+
+    from sfm.flows import flow_command
+
+    command = flow_command(args.flow, args.args)
+    sys.stdout.flush()
+    os.execv(command[0], command)
 
 
 def _cmd_iam_policy(args: argparse.Namespace) -> None:
@@ -398,13 +411,23 @@ def _add_model_commands(sub) -> None:
                    help="config override, repeatable, e.g. --set train.max_steps=500")
     p.add_argument("--held-out", default="", help="comma-separated SEG-Y URLs to evaluate on "
                    "(default: the champion's held-out surveys)")
-    p.add_argument("--flow", default="", help="the pretrain flow file (default: flows/pretrain_flow.py beside sfm/)")
+    p.add_argument("--flow", default="", help="the pretrain flow file (default: the package's, "
+                   "sfm/flows/pretrain_flow.py)")
     p.add_argument("--publish-event", action="store_true",
                    help="publish the config's [retrain] event to Argo Events instead of running locally")
     p.add_argument("--event-url", default="", help="Argo Events webhook (default: METAFLOW_ARGO_EVENTS_WEBHOOK_URL)")
     p.add_argument("--lease", type=float, default=600.0, help="seconds a watcher's lease lasts without renewal")
     p.add_argument("--wait", type=float, default=3600.0, help="seconds a pass waits for another watcher's lease")
     p.set_defaults(func=_cmd_watch)
+
+    p = sub.add_parser("flow", help="run a flow of the package from any folder: sfm flow NAME [METAFLOW ARGUMENTS], "
+                       "e.g. sfm flow finetune run --surveys ... (python flows/NAME_flow.py ... in a checkout)")
+    p.add_argument("flow", choices=FLOWS, help="pretrain (SEG-Y to a registered encoder), finetune (labelled surveys "
+                   "to a task model) or predict (a task model over a survey)")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="Metaflow's arguments: [--config config "
+                   "FILE|NAME] [--with DECORATOR] run [PARAMETERS] | resume | card view STEP | ...; NAME: a packaged "
+                   "config (sfm/configs/: quality_cpu, hyperpod_p5en; default)")
+    p.set_defaults(func=_cmd_flow)
 
     p = sub.add_parser("iam-policy", help="print the least-privilege IAM policy for a data root on S3")
     p.add_argument("--data-root", required=True, help="s3://bucket/prefix the pipeline writes to")

@@ -18,6 +18,7 @@ from sfm.config_values import at_least, coerce, field_types, fraction_in, one_of
 from sfm.errors import SFMError
 
 DEFAULT_TOML = Path(str(resources.files("sfm") / "default.toml"))  # inside the package, also when installed
+CONFIGS_DIR = Path(str(resources.files("sfm") / "configs"))  # example job configs, named by config_file()
 # data.augment: what sfm.data.crops may apply per crop (the last two: time axis reversed, polarity inverted)
 AUGMENTATIONS = ("flip_inline", "flip_crossline", "swap", "reverse_time", "invert_polarity")
 ALIGNMENTS = ("voxel", "brick")  # data.align: crop origins anywhere, or on the store's brick grid
@@ -94,6 +95,18 @@ INGEST_DTYPES = ("float32", "float16", "int8")
 NONFINITE_POLICIES = ("replace", "refuse")
 LAYOUTS = ("sfm", "mdio")  # ingest.layout
 DOMAINS = ("time", "depth")  # ingest.domain
+
+
+def config_file(name: str | Path) -> Path:
+    """The job config file ``name`` means: a file that exists, else a packaged config by its name (``quality_cpu``
+    or ``quality_cpu.toml``: sfm/configs/; ``default``: sfm/default.toml), else ``name`` as it is (reading it says
+    it is missing). ``sfm flow NAME --config config NAME`` and every ``--config`` of ``sfm`` resolve through this."""
+    path = Path(name)
+    if path.is_file() or path.parent != Path("."):
+        return path
+    stem = path.name.removesuffix(".toml")
+    packaged = DEFAULT_TOML if stem == "default" else CONFIGS_DIR / f"{stem}.toml"
+    return packaged if packaged.is_file() else path
 
 
 def codec_settings(codec: str) -> tuple[str, int]:
@@ -415,11 +428,12 @@ class JobConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "JobConfig":
-        path = Path(path) if path else DEFAULT_TOML
+        path = config_file(path) if path else DEFAULT_TOML
         try:
             data = tomllib.loads(path.read_text())
         except FileNotFoundError as err:
-            raise SFMError(f"config file {path} does not exist; pass an existing TOML file") from err
+            raise SFMError(f"config file {path} does not exist; pass an existing TOML file or a packaged config's "
+                           f"name ({', '.join(sorted(p.stem for p in CONFIGS_DIR.glob('*.toml')))})") from err
         except tomllib.TOMLDecodeError as err:
             raise SFMError(f"config file {path} is not valid TOML ({err}); fix the syntax") from err
         return cls.from_dict(data).override(overrides or ())
