@@ -26,9 +26,10 @@ class MetricsLogger:
     ``trackers`` (a :class:`sfm.train.trackers.Trackers`): where each log's figures go.
     """
 
-    def __init__(self, accelerator, health, trackers, *, max_steps: int, samples_per_step: int, voxels_per_sample: int,
-                 flops_per_sample: float, peak: PeakFlops, every_s: float = DEFAULT_EVERY_S):
-        self.accelerator, self.heartbeat, self.guard, self.trackers = accelerator, health.heartbeat, health.guard, trackers
+    def __init__(self, accelerator, health, trackers, *, max_steps: int, samples_per_step: int,
+                 voxels_per_sample: int, flops_per_sample: float, peak: PeakFlops, every_s: float = DEFAULT_EVERY_S):
+        self.accelerator, self.heartbeat, self.guard = accelerator, health.heartbeat, health.guard
+        self.trackers = trackers
         self.history: list[dict] = []
         self.samples_per_step, self.voxels_per_sample = samples_per_step, voxels_per_sample
         self.flops_per_sample, self.peak = flops_per_sample, peak

@@ -11,8 +11,9 @@ the files they write to ``<run_root>/tensorboard/``. Pretraining (:mod:`sfm.trai
 The trackers write to a local folder; :class:`FolderSync`, a thread of its own, copies what grew there to
 ``<run_root>/tensorboard/<project>/`` every ``[train] tracker_sync_s`` seconds (event files only grow: on S3 a
 whole-object PUT of each grown file, on a local or shared file system the new bytes appended), off the step's
-path, and a last time when the run ends or fails. A killed run (SIGKILL, a node lost) keeps what the last copy
-held: at most ``tracker_sync_s`` seconds of figures are lost.
+path, and a last time when the run ends or raises. A run that is killed (SIGKILL; SIGTERM, on which Python ends a
+process without cleaning up; a node lost) keeps what the last copy held: at most ``tracker_sync_s`` seconds of
+figures are lost. A hung step goes on being copied until the watchdog ends the process (``step_timeout_s``).
 
 A resumed run does not show a step twice: its TensorBoard writer opens a new event file with ``purge_step`` =
 the first step it runs (:meth:`Trackers.start`), and TensorBoard, which reads every event file of the folder in
