@@ -18,7 +18,7 @@ from sfm.train import checkpoint, failure_injection
 from support.training import kill_tree, make_job, make_survey_store, start_ranks
 from support.training import tensorboard_losses as losses
 
-pytestmark = pytest.mark.long(2)
+pytestmark = pytest.mark.long(1)
 
 PROJECT = Path(__file__).resolve().parents[2]
 MAX_STEPS, EVERY, HANG_AT = 30, 10, 16
