@@ -27,6 +27,11 @@ BATCH_DTYPES = ("float32", "float16", "int8")  # data.batch_dtype: the crops' va
 STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full", "deepspeed-zero2", "deepspeed-zero3")  # dist.strategy (sfm.distributed)
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer (see sfm.train.muon)
 LAUNCHERS = ("torchrun", "accelerate")  # dist.launcher: what starts a node's processes (sfm.distributed.launch)
+# train.trackers: Accelerate's experiment trackers (accelerate.tracking.LOGGER_TYPE_TO_CLASS, sfm.train.trackers),
+# each with the modules any one of which it needs installed
+TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",), "wandb": ("wandb",),
+            "aim": ("aim",), "comet_ml": ("comet_ml",), "clearml": ("clearml",), "dvclive": ("dvclive",),
+            "swanlab": ("swanlab",), "trackio": ("trackio",)}
 LABEL_IGNORE = 255  # label stores' value of voxels nobody interpreted (uint8: classes 0..254; sfm.ingest.labels)
 
 
@@ -208,6 +213,12 @@ class TrainConfig:
     threads_per_process: int = 0  # 0: torch's default
     init_from: str = ""  # URL of a registered/exported model to continue pretraining from
     snapshots: tuple[float, ...] = ()  # fractions of max_steps at which the model is also exported (snapshots/step-N)
+    # where the run's figures and config go (pretraining and fine-tuning, from the main process): any of Accelerate's
+    # trackers (TRACKERS: tensorboard, mlflow, wandb, aim, ...); mlflow logs to registry.mlflow_uri, else
+    # MLFLOW_TRACKING_URI. Files the trackers write (TensorBoard's event files) reach <run_root>/tensorboard/ every
+    # tracker_sync_s seconds while the run runs, and when it ends or fails (0: only then); see sfm.train.trackers
+    trackers: tuple[str, ...] = ("tensorboard",)
+    tracker_sync_s: float = 60.0
 
     def check(self) -> None:
         """Every setting valid, or SFMError naming it and the fix."""
@@ -222,6 +233,16 @@ class TrainConfig:
         if any(not 0 < f < 1 for f in self.snapshots):
             raise SFMError(f"train.snapshots = {list(self.snapshots)}: each must be a fraction of the steps in (0, 1)")
         one_of("train.optimizer", self.optimizer, OPTIMIZERS)
+        for name in self.trackers:
+            if name not in TRACKERS:
+                raise SFMError(f"train.trackers: {name!r} is not one of Accelerate's trackers; use a list of "
+                               f"{', '.join(TRACKERS)}, e.g. trackers = [\"tensorboard\", \"mlflow\"]")
+            if not any(importlib.util.find_spec(module) for module in TRACKERS[name]):
+                raise SFMError(f"train.trackers: {name} is not installed here; pip install {TRACKERS[name][0]}, "
+                               f"or leave {name} out of train.trackers")
+        if not self.tracker_sync_s >= 0:
+            raise SFMError(f"train.tracker_sync_s = {self.tracker_sync_s} must be >= 0 (seconds between copies of the "
+                           "trackers' files to the run root; 0: only at the end)")
 
 
 @dataclass

@@ -38,6 +38,7 @@ from sfm.finetune.samples import LabelledCrops, LabelledSurveys, Split, finetune
 from sfm.finetune.scores import validation_score
 from sfm.model.segmenter import Segmenter, Task, save_segmenter
 from sfm.progress import Progress
+from sfm.train.trackers import Trackers, run_params
 
 
 @dataclass
@@ -144,20 +145,27 @@ def fine_tune(job: FinetuneJob, rank: int = 0, world: int = 1) -> dict[str, Any]
     def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return masked_loss(logits, labels, weights, LABEL_IGNORE)
 
+    # rank 0's losses and validation scores to the [train] trackers, <run_root>/tensorboard/sfm-finetune/ (a retried
+    # run's figures replace the earlier attempt's)
+    trackers = Trackers(cfg, job.run_root, "sfm-finetune", enabled=rank == 0).start(
+        run_params(cfg, world_size=world, encoder=job.encoder, task=job.task), first_step=1)
     probe = ft.linear_first and ft.probe_steps > 0
     if probe:  # LP: the head alone on the frozen encoder
         recipe = dataclasses.replace(ft, steps=ft.probe_steps, lr=ft.probe_lr, layer_decay=1.0)
         progress = Progress(recipe.steps, "fine-tune: linear probe", every_s=cfg.train.log_every_s, enabled=rank == 0)
-        train_steps(net, recipe, batches, reporting(loss_of, progress), forward=wrapped(net, world, True),
-                    freeze_encoder=True)
+        train_steps(net, recipe, batches, reporting(loss_of, progress, trackers.under("probe")),
+                    forward=wrapped(net, world, True), freeze_encoder=True)
         progress.close()
         offset[0] = ft.probe_steps
     recipe = dataclasses.replace(ft, lr=ft.lr_random) if not job.encoder_url and ft.lr_random > 0 else ft
     progress = Progress(recipe.steps, "fine-tune", every_s=cfg.train.log_every_s, enabled=rank == 0)
-    train_steps(net, recipe, batches, reporting(loss_of, progress), forward=wrapped(net, world, False),
-                validate=validate, score_start=probe)
+    train_steps(net, recipe, batches, reporting(loss_of, progress, trackers.under("finetune")),
+                forward=wrapped(net, world, False), validate=validate, score_start=probe)
     progress.close()
     crops.close()
+    for step, score in net.validation:
+        trackers.log({"finetune/validation_score": score}, step)
+    trackers.close()
     if rank != 0:
         return None
     model_url = storage.join(job.run_root, "model")

@@ -93,16 +93,21 @@ def masked_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tenso
     return (per_voxel * labelled).sum() / labelled.sum().clamp(min=1)
 
 
-def reporting(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-              progress: Progress) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def reporting(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], progress: Progress,
+              track: Callable[[dict[str, float], int], None] | None = None
+              ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``loss_of`` that also counts each step on ``progress`` and shows that step's loss beside the count
-    (``train_steps`` computes the loss once per step)."""
+    (``train_steps`` computes the loss once per step), and hands it to ``track`` ({"loss": value}, step): rank 0's
+    experiment trackers (:meth:`sfm.train.trackers.Trackers.under`)."""
 
     def counted(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = loss_of(logits, labels)
+        value = loss.item() if progress.enabled or track is not None else None
         if progress.enabled:
-            progress.set(loss=f"{loss.item():.4f}")
+            progress.set(loss=f"{value:.4f}")
         progress.update()
+        if track is not None:
+            track({"loss": value}, progress.n)
         return loss
 
     return counted

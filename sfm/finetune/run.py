@@ -111,6 +111,7 @@ def evaluate(job: FinetuneJob, summary: dict[str, Any]) -> tuple[dict[str, Any],
     from sfm.finetune.samples import LabelledSurveys, finetune_data, split_roles
     from sfm.finetune.scores import held_out_scores, threshold_of
     from sfm.model.segmenter import load_segmenter
+    from sfm.train.trackers import log_scores
 
     cfg = job.config
     ft = cfg.finetune
@@ -131,6 +132,7 @@ def evaluate(job: FinetuneJob, summary: dict[str, Any]) -> tuple[dict[str, Any],
     first = split.test[0]
     figures = {"amplitude": parts[0][0], "labels": parts[0][1], "prediction": probs[0], "axis": first.axis,
                "survey": job.pairs[first.survey][0], "task": net.task.to_dict()}
+    log_scores(cfg, job.run_root, "sfm-finetune", metrics, summary["steps"], "held_out")  # beside the losses
     return metrics, figures
 
 

@@ -1,5 +1,5 @@
 """What a training run reports while it runs: the loss history, throughput windows, the progress
-bar, the heartbeat and TensorBoard (through the accelerator's tracker)."""
+bar, the heartbeat and the experiment trackers (TensorBoard, MLflow, ...: sfm.train.trackers)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,14 @@ class MetricsLogger:
     None. Time spent in checkpoints, snapshots and rollbacks (:meth:`paused`) does not count
     against throughput. A checkpoint part: its state is the history (the same on every rank).
 
-    ``health`` (a :class:`sfm.train.health.RunHealth`): the heartbeat each log beats, with the guard's counts.
+    ``health`` (a :class:`sfm.train.health.RunHealth`): the heartbeat each log beats, with the guard's counts;
+    ``trackers`` (a :class:`sfm.train.trackers.Trackers`): where each log's figures go.
     """
 
-    def __init__(self, accelerator, health, *, max_steps: int, samples_per_step: int, voxels_per_sample: int,
-                 flops_per_sample: float, peak: PeakFlops, every_s: float = DEFAULT_EVERY_S):
+    def __init__(self, accelerator, health, trackers, *, max_steps: int, samples_per_step: int,
+                 voxels_per_sample: int, flops_per_sample: float, peak: PeakFlops, every_s: float = DEFAULT_EVERY_S):
         self.accelerator, self.heartbeat, self.guard = accelerator, health.heartbeat, health.guard
+        self.trackers = trackers
         self.history: list[dict] = []
         self.samples_per_step, self.voxels_per_sample = samples_per_step, voxels_per_sample
         self.flops_per_sample, self.peak = flops_per_sample, peak
@@ -68,7 +70,7 @@ class MetricsLogger:
         loss = self.history[-1]["loss"]
         metrics = {"loss": float("nan") if loss is None else loss, "lr": lr, **speed}
         self.history[-1].update({k: v for k, v in metrics.items() if k != "loss"})
-        self.accelerator.log(metrics, step=step)
+        self.trackers.log(metrics, step)
         self.progress.set(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}",
                           **{"samples/s": f"{speed['samples_per_s']:.1f}",
                              "voxels/s": f"{speed['voxels_per_s'] / 1e6:.1f}M",
