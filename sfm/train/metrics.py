@@ -6,13 +6,23 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from sfm.model.hardware import PeakFlops
 from sfm.progress import DEFAULT_EVERY_S, Progress
 from sfm.train.step import throughput
+
+
+class StepCost(NamedTuple):
+    """What one optimiser step is worth, for throughput and MFU: the samples of the whole step (every dp rank, every
+    micro-batch), the voxels of one sample, the model FLOPs of one sample's training, and the device's peak."""
+
+    samples_per_step: int
+    voxels_per_sample: int
+    flops_per_sample: float
+    peak: PeakFlops
 
 
 class MetricsLogger:
@@ -26,13 +36,12 @@ class MetricsLogger:
     ``trackers`` (a :class:`sfm.train.trackers.Trackers`): where each log's figures go.
     """
 
-    def __init__(self, accelerator, health, trackers, *, max_steps: int, samples_per_step: int,
-                 voxels_per_sample: int, flops_per_sample: float, peak: PeakFlops, every_s: float = DEFAULT_EVERY_S):
+    def __init__(self, accelerator, health, trackers, cost: StepCost, *, max_steps: int,
+                 every_s: float = DEFAULT_EVERY_S):
         self.accelerator, self.heartbeat, self.guard = accelerator, health.heartbeat, health.guard
         self.trackers = trackers
         self.history: list[dict] = []
-        self.samples_per_step, self.voxels_per_sample = samples_per_step, voxels_per_sample
-        self.flops_per_sample, self.peak = flops_per_sample, peak
+        self.samples_per_step, self.voxels_per_sample, self.flops_per_sample, self.peak = cost
         self.pending: list[torch.Tensor] = []  # mean loss of each step since history was last written
         self.started = time.perf_counter()
         self._window_start, self._window_steps, self._paused = self.started, 0, 0.0

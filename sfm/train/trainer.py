@@ -56,7 +56,7 @@ from sfm.train import checkpoint
 from sfm.train import failure_injection
 from sfm.train.failure_injection import FailureInjection
 from sfm.train.health import ROLLBACK, SKIP, Heartbeat, NonFiniteGuard, RunHealth, Watchdog, all_ranks_finite
-from sfm.train.metrics import MetricsLogger
+from sfm.train.metrics import MetricsLogger, StepCost
 from sfm.train.trackers import Trackers, run_params
 from sfm.train.step import TrainStep, apply_training_options, build_optimizer, lr_at
 
@@ -241,12 +241,11 @@ class Trainer:
     def start_metrics(self) -> MetricsLogger:
         """The metrics logger (its history is a checkpoint part), logging to the trackers."""
         cfg, layout, acc = self.cfg, self.layout, self.accelerator
-        return MetricsLogger(
-            acc, self.health, self.trackers, max_steps=cfg.train.max_steps,
-            samples_per_step=self.micro_batches * cfg.data.batch_size * layout.dp,  # cp ranks share samples
-            voxels_per_sample=math.prod(cfg.data.crop), flops_per_sample=train_flops_per_sample(self.mcfg),
-            peak=PeakFlops(acc.device, torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32),
-            every_s=cfg.train.log_every_s)
+        cost = StepCost(samples_per_step=self.micro_batches * cfg.data.batch_size * layout.dp,  # cp ranks share
+                        voxels_per_sample=math.prod(cfg.data.crop), flops_per_sample=train_flops_per_sample(self.mcfg),
+                        peak=PeakFlops(acc.device, torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32))
+        return MetricsLogger(acc, self.health, self.trackers, cost, max_steps=cfg.train.max_steps,
+                             every_s=cfg.train.log_every_s)
 
     def track_state(self) -> None:
         """Everything a resumed run needs besides the weights, optimiser and schedule, registered with
