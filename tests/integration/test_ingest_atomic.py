@@ -130,7 +130,8 @@ def test_cli_prints_a_line_per_survey_and_an_error_per_bad_file(tmp_path, segy_d
     again = sfm_ingest(str(segy_dir / "small.sgy"), "--data-root", str(root))
     out, err = again.communicate(timeout=240)
     assert again.returncode == 0 and json.loads(out)["status"] == "exists"
-    missing = sfm_ingest(str(tmp_path / "nope.sgy"), "--data-root", str(root), "--refuse-nonfinite", "--max-sparsity", "4")
+    missing = sfm_ingest(str(tmp_path / "nope.sgy"), "--data-root", str(root), "--refuse-nonfinite",
+                         "--max-sparsity", "4")
     out, err = missing.communicate(timeout=240)
     assert missing.returncode == 2 and err.strip().splitlines()[-1].startswith("sfm ingest: error:") and "does not exist" in err
     assert os.listdir(root / "manifest" / "rows") and len(manifest.read(str(root))) == 2

@@ -105,7 +105,8 @@ def test_installed_package_ingests_trains_runs_the_flow_and_loads_from_the_regis
 
     # sfm ingest of the real F3 crop (schema-validated store attributes and manifest row)
     root = work / "sfm_data"
-    timed("sfm ingest", [str(bin_ / "sfm"), "ingest", str(segy_dir / "f3.sgy"), "--data-root", str(root)], work, env, 300)
+    timed("sfm ingest", [str(bin_ / "sfm"), "ingest", str(segy_dir / "f3.sgy"), "--data-root", str(root)],
+          work, env, 300)
     (store,) = (root / "surveys").glob("*.zarr")
 
     # sfm train for a few steps on it (torchrun, one process)

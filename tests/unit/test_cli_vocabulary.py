@@ -109,7 +109,8 @@ def test_old_spellings_work_with_one_line_of_notice(root, capsys):
         registry.version_url(root, "sfm-mae", 1)
     assert len(notices(capsys.readouterr().err)) == 1
 
-    assert main(["train", "--surveys", "s3://b/a.zarr", "--run-root", "/tmp/run", "--dry-run", "train.max_steps=7"]) == 0
+    assert main(["train", "--surveys", "s3://b/a.zarr", "--run-root", "/tmp/run", "--dry-run",
+                 "train.max_steps=7"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["job"]["config"]["train"]["max_steps"] == 7
     assert notices(err) == ["sfm: deprecated: sfm train train.max_steps=7 works in this release only; write "
@@ -134,7 +135,8 @@ def test_set_reaches_the_config_after_the_named_parameters(capsys):
     with pytest.raises(SFMError, match="--set 'train.max_steps' must look like section.key=value"):
         flow_job({}, "train.max_steps")
     # sfm flow joins a repeated --set into the one the flow reads, and names packaged configs
-    command = flow_command("pretrain", ["--config", "config", "quality_cpu", "run", "--set", "a.b=1", "--set=c.d=[1,2]"])
+    command = flow_command("pretrain", ["--config", "config", "quality_cpu", "run", "--set", "a.b=1",
+                                        "--set=c.d=[1,2]"])
     assert command[2:] == ["--config", "config", str(Path(command[1]).parents[1] / "configs" / "quality_cpu.toml"),
                            "run", "--set", "a.b=1;c.d=[1,2]"]
 

@@ -51,7 +51,8 @@ def test_overrides_and_named_parameters_take_one_path():
 
     cfg = JobConfig.from_dict({"dist": {"nodes": 4}}).override(["train.max_steps=9", "dist.cp=2;data.crop=[8,8,16]"],
                                                                  cp=1, nodes=None, preset="mini", ingest_parts=3)
-    assert (cfg.train.max_steps, cfg.dist.cp, cfg.dist.nodes, cfg.model.preset, cfg.ingest.parts) == (9, 2, 4, "mini", 3)
+    assert (cfg.train.max_steps, cfg.dist.cp, cfg.dist.nodes, cfg.model.preset, cfg.ingest.parts) == \
+        (9, 2, 4, "mini", 3)
     assert cfg.data.crop == (8, 8, 16)
     assert JobConfig().override("train.max_steps=9; ;dist.cp=2").to_dict() == \
         JobConfig().override(["train.max_steps=9", "dist.cp=2"]).to_dict()  # a flow's one string
