@@ -16,6 +16,14 @@ from sfm.flows import FLOWS
 from sfm.user_errors import deprecated, exit_status
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose refusal of a command line (an unknown flag, a value not among the choices, a missing
+    option) is one line, as every other error of sfm is; ``--help`` shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 class _OldSpelling(argparse.Action):
     """An option's old spelling, kept for one release and left out of --help: it stores its value where the new
     option (``new``) does, with a one-line notice (:func:`sfm.user_errors.deprecated`)."""
@@ -396,7 +404,7 @@ def _job_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sfm", description="Seismic foundation model pipeline")
+    parser = _Parser(prog="sfm", description="Seismic foundation model pipeline")
     parser.add_argument("--allow-insecure-s3", action="store_true",
                         help="allow a plain-http S3 endpoint off loopback (same as SFM_ALLOW_INSECURE_S3=1)")
     parser.add_argument("--version", action=_Version, help="print the package's version (and the code version, the "

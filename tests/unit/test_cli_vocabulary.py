@@ -167,7 +167,8 @@ def test_enumerations_are_refused_in_one_line(capsys):
                  ["iam-policy", "--data-root", "s3://b/p", "--partition", "aws-eu"]):
         with pytest.raises(SystemExit):
             parser.parse_args(args)
-        assert "error: argument" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "error: argument" in err and "--help)" in err, err  # one line
     assert "{auto,cpu,cuda,cuda:N}" in parser._subparsers._group_actions[0].choices["predict"].format_help()
     # the flows' start: their parameters reach the job, checked in one line (the pretrain flow's, the predict flow's)
     for named, words in ((dict(strategy="zero9"), "dist.strategy = 'zero9' is not a strategy; use one of ddp"),
