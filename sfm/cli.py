@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from sfm.config import DATA_ROOT, DEVICES, DOMAINS, INGEST_DTYPES, LAUNCHERS, LAYOUTS, STRATEGIES, IngestConfig
+from sfm.config import DATA_ROOT, DOMAINS, INGEST_DTYPES, LAUNCHERS, LAYOUTS, STRATEGIES, IngestConfig
+from sfm.config_values import DEVICES
 from sfm.errors import SFMError
 from sfm.flows import FLOWS
 from sfm.user_errors import deprecated, exit_status
@@ -550,8 +551,8 @@ def _add_model_commands(sub) -> None:
 
 
 def _device(text: str) -> str:
-    """argparse's type of --device: one of sfm.config.DEVICES."""
-    from sfm.config import check_device
+    """argparse's type of --device: one of sfm.config_values.DEVICES."""
+    from sfm.config_values import check_device
 
     try:
         return check_device(text)

@@ -14,7 +14,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
-from sfm.config_values import at_least, coerce, field_types, fraction_in, one_of, parse_literal, toml_text
+from sfm.config_values import (at_least, check_device, coerce, field_types, fraction_in, one_of, parse_literal,
+                               split_assignments, toml_text)
 from sfm.errors import SFMError
 
 DEFAULT_TOML = Path(str(resources.files("sfm") / "default.toml"))  # inside the package, also when installed
@@ -383,15 +384,6 @@ class PredictConfig:
 
 
 PREDICT_OUTPUTS = ("probability", "classes")  # predict.output
-DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # predict.device: what check_device accepts (N: a GPU's index)
-
-
-def check_device(device: str) -> str:
-    """``device`` if it is one of :data:`DEVICES` (``cuda:N`` with a number), else SFMError."""
-    kind, sep, index = str(device).partition(":")
-    if (kind, sep) in (("auto", ""), ("cpu", ""), ("cuda", "")) or (kind == "cuda" and sep and index.isdigit()):
-        return device
-    raise SFMError(f"device {device!r} is not a device; use {', '.join(DEVICES)}")
 
 
 @dataclass
@@ -561,18 +553,6 @@ PARAMETERS = {"preset": "model.preset", "max_steps": "train.max_steps", "nodes":
               **{key: f"predict.{key}" for key in ("output", "mirror", "layout", "parts", "overlap", "batch_size",
                                                    "device")}}
 
-
-def split_assignments(assignments: str | Iterable[str]) -> list[str]:
-    """The ``section.key=value`` items of ``--set``: each value given (the CLI's ``--set`` repeats; a flow's takes one
-    string) may hold several, separated by ``;`` (``train.max_steps=500;data.batch_size=4``). SFMError for an item
-    that is not an assignment."""
-    items = [assignments] if isinstance(assignments, str) else list(assignments)
-    out = [piece.strip() for item in items for piece in str(item).split(";") if piece.strip()]
-    for item in out:
-        key, sep, _ = item.partition("=")
-        if not sep or "." not in key:
-            raise SFMError(f"--set {item!r} must look like section.key=value (several: --set 'a.b=1;c.d=2')")
-    return out
 
 
 def _section_names() -> list[str]:

@@ -60,7 +60,7 @@ def flow_job(config: Any, overrides: str = "", **named: Any) -> JobConfig:
     (``overrides``: ``section.key=value`` items separated by ``;``) on top (:meth:`JobConfig.override`). A
     ``--set`` of a section the flow reads when it is built (:data:`BUILD_TIME_SECTIONS`) is refused: it belongs in
     the ``--config`` file. Nothing is checked here (the flow's start validates)."""
-    from sfm.config import split_assignments
+    from sfm.config_values import split_assignments
 
     for item in split_assignments(overrides):
         if item.partition(".")[0].strip() in BUILD_TIME_SECTIONS:
