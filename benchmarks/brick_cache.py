@@ -44,7 +44,7 @@ def make_stores(workdir: Path, config: dict, surveys: int) -> list[str]:
         subprocess.run([sys.executable, "-m", "sfm.cli", "synth", str(path), "--shape", *shape,
                         "--seed", str(1000 + seed)], check=True, cwd=PROJECT, stdout=subprocess.DEVNULL)
         sgy.append(str(path))
-    subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", "--out", str(workdir / "data"), "--chunk", chunk,
+    subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", "--data-root", str(workdir / "data"), "--chunk", chunk,
                     *sgy], check=True, cwd=PROJECT, stdout=subprocess.DEVNULL)
     return sorted(str(p) for p in (workdir / "data" / "surveys").glob("*.zarr"))
 

@@ -42,7 +42,8 @@ def ingest(workdir: Path, surveys: int, shape: list[int], job) -> list[str]:
                         *map(str, shape)], check=True, capture_output=True)
         segys.append(str(path))
     root = workdir / "data"
-    subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", "--out", str(root), "--chunk", str(job.ingest.chunk),
+    subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", "--data-root", str(root),
+                    "--chunk", str(job.ingest.chunk),
                     "--codec", job.ingest.codec, *segys], check=True, capture_output=True)
     return sorted(str(p) for p in (root / "surveys").glob("*.zarr"))
 

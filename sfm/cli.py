@@ -10,10 +10,47 @@ import argparse
 import json
 import sys
 
-from sfm.config import INGEST_DTYPES, LAUNCHERS, STRATEGIES, IngestConfig
+from sfm.config import DATA_ROOT, DOMAINS, INGEST_DTYPES, LAUNCHERS, LAYOUTS, STRATEGIES, IngestConfig
+from sfm.config_values import DEVICES
 from sfm.errors import SFMError
 from sfm.flows import FLOWS
-from sfm.user_errors import exit_status
+from sfm.user_errors import deprecated, exit_status
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose refusal of a command line (an unknown flag, a value not among the choices, a missing
+    option) is one line, as every other error of sfm is; ``--help`` shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _OldSpelling(argparse.Action):
+    """An option's old spelling, kept for one release and left out of --help: it stores its value where the new
+    option (``new``) does, with a one-line notice (:func:`sfm.user_errors.deprecated`)."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        deprecated(f"{parser.prog} {option_string} {values}", f"{parser.prog} {self.new} {values}")
+        setattr(namespace, self.dest, values)
+
+
+class _Version(argparse.Action):
+    """``sfm --version``: the package's version, and the code version (the git commit) in a checkout."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import sfm
+        from sfm.model.registry import code_version
+
+        code = code_version()
+        print(f"sfm {sfm.__version__}" + (f" (code version {code}: a git checkout)" if code != sfm.__version__ else ""))
+        parser.exit()
 
 
 def _cmd_synth(args: argparse.Namespace) -> None:
@@ -42,7 +79,7 @@ def _cmd_ingest(args: argparse.Namespace) -> None:
     t0, read_bytes, failures = time.perf_counter(), 0, []
     for src in args.src:
         try:
-            row = ingest_survey(src, args.out, iline_byte=args.iline_byte, xline_byte=args.xline_byte,
+            row = ingest_survey(src, args.data_root, iline_byte=args.iline_byte, xline_byte=args.xline_byte,
                                 endian=args.endian, chunk=args.chunk, dtype=args.dtype, codec=args.codec,
                                 max_sparsity=args.max_sparsity, layout=args.layout, domain=args.domain,
                                 nonfinite="refuse" if args.refuse_nonfinite else "replace",
@@ -69,7 +106,8 @@ def _cmd_ingest_labels(args: argparse.Namespace) -> None:
     """One JSON line: the label set's manifest row and whether it was ingested or existed."""
     from sfm.ingest.labels import ingest_labels
 
-    row = ingest_labels(args.labels, args.survey, args.out, ignore=args.ignore, variable=args.variable, name=args.name)
+    row = ingest_labels(args.labels, args.survey, args.data_root, ignore=args.ignore, variable=args.variable,
+                        name=args.name)
     row.pop("label_mask")
     print(json.dumps(row, default=str))
     print(f"sfm ingest-labels: {row['name']} -> {row['store_url']} ({row['status']}): {row['labelled_voxels']} "
@@ -77,15 +115,41 @@ def _cmd_ingest_labels(args: argparse.Namespace) -> None:
           file=sys.stderr)
 
 
+def _registry_reference(args: argparse.Namespace) -> str:
+    """The model reference of `sfm registry ACTION`: the positional one, or the old --model/--version spelling (kept
+    for one release, with a notice); show/load/export/sync default to the encoder's champion."""
+    from sfm.config import RegistryConfig
+    from sfm.user_errors import deprecated
+
+    if args.model is None and args.version is None:
+        return args.ref or ("" if args.action == "list" else RegistryConfig.model_name)
+    if args.ref:
+        raise SFMError(f"registry {args.action}: name the version once, as {args.ref} (--model/--version are the "
+                       "old spelling)")
+    version = str(args.version or "champion")
+    ref = f"{args.model or RegistryConfig.model_name}:{version if not version.isdigit() else 'v' + version}"
+    if args.action == "list":
+        ref = args.model or ""
+    old = " ".join(f"--{k} {v}" for k, v in (("model", args.model), ("version", args.version)) if v is not None)
+    deprecated(f"sfm registry {args.action} {old}", f"sfm registry {args.action} {ref}")
+    return ref
+
+
 def _cmd_registry(args: argparse.Namespace) -> None:
-    """list: one JSON line per version (every model, encoders and task models, without a model); show: the
-    record; promote: force a version to champion; load: build the model (files checked against their sha256)
-    and, with --out, export it byte for byte; export: a Hugging Face model folder (with its model card), or the
-    files byte for byte; sync: log a version to MLflow and move its champion alias (sfm.model.mlflow_sync)."""
+    """list: one JSON line per version (every model, encoders and task models, or one model's); show: the record;
+    promote: force a version to champion; load: build the model (files checked against their sha256) and, with
+    --out, export it byte for byte; export: a Hugging Face model folder (with its model card), or the files byte
+    for byte; sync: log a version to MLflow and move its champion alias (sfm.model.mlflow_sync). A version is named
+    by a model reference or a version folder's URL (sfm.model.registry.find)."""
     from sfm.model import registry
 
+    ref = _registry_reference(args)
     if args.action == "list":
-        names = [args.ref or args.model] if args.ref or args.model else registry.models(args.data_root)
+        names = [ref.partition(":")[0]] if ref else registry.models(args.data_root)
+        if not any(registry.versions(args.data_root, name) for name in names):
+            print(f"sfm registry list: no model{' ' + repr(names[0]) if ref else ''} registered in {args.data_root}; "
+                  f"make one with `sfm flow pretrain run --data-root {args.data_root}` (an encoder) or `sfm flow "
+                  "finetune run ...` (a task model)", file=sys.stderr)
         for name in names:
             champion = registry.champion_version(args.data_root, name)
             for version in registry.versions(args.data_root, name):
@@ -99,28 +163,25 @@ def _cmd_registry(args: argparse.Namespace) -> None:
                     line.update(task=record["lineage"]["task"], encoder=record["lineage"]["encoder"])
                 print(json.dumps({**line, "run": record["lineage"]["run_pathspec"]}))
         return
-    if args.ref and (args.model or str(args.version) != "champion"):
-        raise SFMError(f"registry {args.action}: name the version once, as {args.ref} or with --model/--version")
-    if args.ref:
-        model_name, version = registry.resolve_reference(args.data_root, args.ref)
-    else:
-        model_name = args.model or "sfm-mae"
-        version = registry.resolve(args.data_root, model_name, args.version)
+    found = registry.find(args.data_root, ref)
+    if not found.name:
+        raise SFMError(f"registry {args.action}: {ref} is not a registered version; name one as NAME[:vN] or by its "
+                       "folder, <data-root>/registry/NAME/vN")
+    root, model_name, version = found.data_root, found.name, found.version
     if args.action == "show":
-        record = registry.get(args.data_root, model_name, version)
-        record["champion"] = registry.champion_version(args.data_root, model_name) == version
-        record["url"] = registry.version_url(args.data_root, model_name, version)
+        record = registry.get(root, model_name, version)
+        record["champion"] = registry.champion_version(root, model_name) == version
+        record["url"] = registry.version_url(root, model_name, version)
         print(json.dumps(record, indent=1))
     elif args.action == "promote":
-        asked = args.ref.partition(":")[2] if args.ref else str(args.version)
-        if asked in ("", "champion"):
+        if ref.partition(":")[2] in ("", "champion") and not registry.is_folder_url(ref):
             raise SFMError("registry promote needs the version to promote: sfm registry promote NAME:vN")
-        registry.promote(args.data_root, model_name, version, mlflow_uri=args.mlflow_uri)
+        registry.promote(root, model_name, version, mlflow_uri=args.mlflow_uri)
         print(f"{model_name} v{version} is now the champion")
     elif args.action == "load":
-        model = registry.load(args.data_root, model_name, version)
+        model = registry.load(root, model_name, version)
         if args.out:
-            registry.export(args.data_root, model_name, version, args.out, "files")
+            registry.export(root, model_name, version, args.out, "files")
         encoder = getattr(model, "mae", model)
         print(json.dumps({"model": model_name, "version": version, "config": encoder.cfg.to_dict(),
                           "task": model.task.to_dict() if hasattr(model, "task") else None,
@@ -128,27 +189,31 @@ def _cmd_registry(args: argparse.Namespace) -> None:
     elif args.action == "export":
         if not args.dir:
             raise SFMError("registry export needs the folder to write: sfm registry export NAME:vN DIR")
-        files = registry.export(args.data_root, model_name, version, args.dir, args.format)
+        files = registry.export(root, model_name, version, args.dir, args.format)
         print(json.dumps({"model": model_name, "version": version, "format": args.format, "out": args.dir,
                           "files": files}))
         if args.format == "hf":
-            cls = "Segmenter" if registry.is_task_model(registry.get(args.data_root, model_name, version)) \
+            cls = "Segmenter" if registry.is_task_model(registry.get(root, model_name, version)) \
                 else "MaskedAutoencoder3D"
             print(f"sfm registry export: {model_name} v{version} -> {args.dir} ({', '.join(files)}); load it with "
                   f"{cls}.from_pretrained({args.dir!r}), or push it with: hf upload ORG/NAME {args.dir}",
                   file=sys.stderr)
     elif args.action == "sync":
-        if registry.sync_mlflow(args.data_root, model_name, version, args.mlflow_uri) is None:
+        if registry.sync_mlflow(root, model_name, version, args.mlflow_uri) is None:
             raise SFMError("registry sync: no MLflow to log to; pass --mlflow-uri or set MLFLOW_TRACKING_URI")
 
 
 def _cmd_predict(args: argparse.Namespace) -> None:
-    """Predict a survey with a task model: one JSON line on stdout, one summary line on stderr."""
+    """Predict a survey with a task model: one JSON line on stdout, one summary line on stderr. The settings are the
+    job config's [predict] (--config), the flags given, then --set, as the predict flow's."""
+    from sfm.config import JobConfig
     from sfm.predict import PredictOptions, predict
 
-    opts = PredictOptions(model=args.model, survey=args.survey, out=args.out, data_root=args.data_root,
-                          output=args.output, mirror=args.mirror, layout=args.layout, segy=args.segy, parts=args.parts,
-                          overlap=args.overlap, batch_size=args.batch_size, device=args.device)
+    settings = JobConfig.from_toml(args.config or None).override(
+        _set_values(args), output=args.output, mirror=args.mirror, layout=args.layout, parts=args.parts,
+        overlap=args.overlap, batch_size=args.batch_size, device=args.device).predict
+    opts = PredictOptions.of(settings, model=args.model, survey=args.survey, out=args.out, data_root=args.data_root,
+                             segy=args.segy)
     result = predict(opts, part=args.part, progress=True)  # a bar on a terminal, plain lines in a log
     print(json.dumps(result))
     done = "published" if result["published"] else f"part {args.part} of {result['parts']} written (not published yet)"
@@ -224,17 +289,33 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 1 if info["state"] in ("stale", "failed") else 0
 
 
+def _set_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a config key set on top of --config and the flags, e.g. --set train.max_steps=500 "
+                   "(repeatable; one may also hold several separated by ';')")
+
+
+def _set_values(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` values, after the positional SECTION.KEY=VALUE of train and slurm-script (the old spelling,
+    kept for one release with a notice)."""
+    old = getattr(args, "overrides", None) or []
+    if old:
+        deprecated(f"sfm {args.command} {' '.join(old)}", f"sfm {args.command} {' '.join('--set ' + o for o in old)}")
+    return [*old, *args.set]
+
+
 def _job_config(args: argparse.Namespace):
-    """The job of `sfm train` / `sfm slurm-script`, parsed once: the TOML config with the SECTION.KEY=VALUE
-    overrides and the flags given on top (:meth:`sfm.config.JobConfig.override`, as the flows' parameters), then
-    resolved as the flow's ``start`` resolves it (:func:`sfm.ops.pipeline.job_config`: the Accelerate config it
-    names mapped onto it, every setting checked; a conflict is refused here, before anything starts)."""
+    """The job of `sfm train` / `sfm slurm-script`, parsed once: the TOML config with the flags given and the
+    ``--set`` values on top (:meth:`sfm.config.JobConfig.override`, as the flows' parameters), then resolved as the
+    flow's ``start`` resolves it (:func:`sfm.ops.pipeline.job_config`: the Accelerate config it names mapped onto
+    it, every setting checked, ``train.init_from`` found; a conflict is refused here, before anything starts)."""
     from sfm.ops import pipeline
     from sfm.config import JobConfig
 
-    return pipeline.job_config(JobConfig.from_toml(args.config or None).override(
-        args.overrides, nodes=args.nodes, procs_per_node=args.procs_per_node, cp=args.cp, strategy=args.strategy,
+    cfg = pipeline.job_config(JobConfig.from_toml(args.config or None).override(
+        _set_values(args), nodes=args.nodes, procs_per_node=args.procs_per_node, cp=args.cp, strategy=args.strategy,
         launcher=args.launcher, accelerate_config=args.accelerate_config))
+    return pipeline.resolve_init_from(cfg, args.data_root)
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
@@ -296,9 +377,12 @@ def _cmd_slurm_script(args: argparse.Namespace) -> None:
 
 def _job_arguments(p: argparse.ArgumentParser) -> None:
     """What `sfm train` and `sfm slurm-script` share: the job config, the data, the run root, the size."""
-    p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE", help="config overrides, e.g. train.max_steps=500")
-    p.add_argument("--config", default="", help="TOML job config (default: sfm/default.toml)")
-    p.add_argument("--data-root", default="", help="train on every survey published in this data root's manifest")
+    p.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)  # the old spelling of --set (one release)
+    p.add_argument("--config", default="", help="TOML job config: a file, or a packaged config's name "
+                   "(quality_cpu, hyperpod_p5en; default: sfm/default.toml)")
+    _set_argument(p)
+    p.add_argument("--data-root", default=DATA_ROOT, help="train on every survey published in this data root's "
+                   f"manifest (default {DATA_ROOT}); with --surveys, where their MDIO stores are registered")
     p.add_argument("--surveys", default="", help="comma-separated survey store URLs to train on instead")
     p.add_argument("--held-out", default="", help="with --data-root: comma-separated survey names/ids to leave out")
     p.add_argument("--run-root", required=True, help="where checkpoints, the final model and the summary go; "
@@ -321,9 +405,11 @@ def _job_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sfm", description="Seismic foundation model pipeline")
+    parser = _Parser(prog="sfm", description="Seismic foundation model pipeline")
     parser.add_argument("--allow-insecure-s3", action="store_true",
                         help="allow a plain-http S3 endpoint off loopback (same as SFM_ALLOW_INSECURE_S3=1)")
+    parser.add_argument("--version", action=_Version, help="print the package's version (and the code version, the "
+                        "git commit, in a checkout) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     _add_data_commands(sub)
@@ -349,7 +435,9 @@ def _add_data_commands(sub) -> None:
     p = sub.add_parser("ingest", help="SEG-Y files -> Zarr v3 survey stores, published in the manifest; MDIO v1 "
                        "stores are registered, read in place (nothing copied)")
     p.add_argument("src", nargs="+", help="SEG-Y files or MDIO v1 stores (.mdio; local paths or s3:// URLs)")
-    p.add_argument("--out", required=True, help="data root (local path or s3://bucket/prefix)")
+    p.add_argument("--data-root", default=DATA_ROOT, help=f"the data root the stores and the manifest go to (local "
+                   f"path or s3://bucket/prefix; default {DATA_ROOT})")
+    p.add_argument("--out", dest="data_root", action=_OldSpelling, new="--data-root")
     p.add_argument("--iline-byte", type=int, default=None, help="trace-header byte of the inline number")
     p.add_argument("--xline-byte", type=int, default=None, help="trace-header byte of the crossline number")
     p.add_argument("--endian", choices=["auto", "big", "little"], default="auto")
@@ -364,17 +452,19 @@ def _add_data_commands(sub) -> None:
                    help="largest allowed ratio of grid cells to traces (default 10)")
     p.add_argument("--refuse-nonfinite", action="store_true",
                    help="fail on NaN/inf samples instead of replacing them by 0 and counting them")
-    p.add_argument("--layout", default=IngestConfig.layout,
+    p.add_argument("--layout", choices=LAYOUTS, default=IngestConfig.layout,
                    help="sfm (default), or mdio: also what MDIO's tools read and export")
-    p.add_argument("--domain", default=IngestConfig.domain,
+    p.add_argument("--domain", choices=DOMAINS, default=IngestConfig.domain,
                    help="the sample axis, time (default) or depth: its name in the mdio layout")
     p.set_defaults(func=_cmd_ingest)
 
     p = sub.add_parser("ingest-labels", help="a label volume aligned with a published survey (SEG-Y with its "
                        "geometry, .npy on its grid, or a Zarr/MDIO integer variable) -> a label store in the manifest")
     p.add_argument("labels", help="the label file or store (local path or s3:// URL)")
-    p.add_argument("--survey", required=True, help="the survey it labels: its survey id in --out, or its store URL")
-    p.add_argument("--out", default="sfm_data", help="data root holding the survey (default sfm_data, as the flows)")
+    p.add_argument("--survey", required=True, help="the survey it labels: its survey id in --data-root, or its store "
+                   "URL")
+    p.add_argument("--data-root", default=DATA_ROOT, help=f"the data root holding the survey (default {DATA_ROOT})")
+    p.add_argument("--out", dest="data_root", action=_OldSpelling, new="--data-root")
     p.add_argument("--ignore", type=int, default=None, help="the value of samples nobody interpreted (255 always is)")
     p.add_argument("--variable", default="", help="Zarr/MDIO: the variable holding the labels (default: the only "
                    "integer 3-D one)")
@@ -387,28 +477,30 @@ def _add_model_commands(sub) -> None:
     p = sub.add_parser("registry", help="list, show, promote, load, export or sync (to MLflow) registered model "
                        "versions (encoders and task models)")
     p.add_argument("action", choices=["list", "show", "promote", "load", "export", "sync"])
-    p.add_argument("ref", nargs="?", default="", metavar="NAME[:vN]", help="the model version: NAME (its champion), "
-                   "NAME:vN, NAME:N, NAME:latest or NAME:champion (instead of --model and --version)")
+    p.add_argument("ref", nargs="?", default="", metavar="MODEL", help="the model version: a reference, NAME (its "
+                   "champion), NAME:vN, NAME:latest or NAME:champion, or a version folder's URL "
+                   "(<data-root>/registry/NAME/vN); default: list every model, the others sfm-mae's champion")
     p.add_argument("dir", nargs="?", default="", metavar="DIR",
                    help="with export: the folder to write (local or s3://)")
-    p.add_argument("--data-root", default="sfm_data", help="the flows' data root (default sfm_data)")
-    p.add_argument("--model", default="", help="sfm-mae, a task model (sfm-<task>); default: list every model, "
-                   "show/promote/load/export/sync sfm-mae")
-    p.add_argument("--version", default="champion", help="N, vN, latest or champion")
-    p.add_argument("--out", default="", help="with load: export the model to this folder")
+    p.add_argument("--data-root", default=DATA_ROOT, help=f"the registry's data root (default {DATA_ROOT})")
+    p.add_argument("--out", default="", help="with load: export the model's files to this folder")
     p.add_argument("--format", choices=["hf", "files"], default="hf", help="with export: hf, a Hugging Face model "
                    "folder with a model card (default); files, the registered files byte for byte")
     p.add_argument("--mlflow-uri", default="", help="with promote and sync: the MLflow tracking server (default: "
                    "the version's [registry] mlflow_uri, else MLFLOW_TRACKING_URI)")
+    # the old spelling of MODEL, kept for one release (sfm registry show --model sfm-mae --version 3)
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--version", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_registry)
     p = sub.add_parser("watch", help="retrain when new SEG-Y lands: one flow run per batch of new surveys")
     p.add_argument("--landing", required=True, help="prefix where SEG-Y files arrive (local path or s3://)")
-    p.add_argument("--data-root", required=True, help="the data root (manifest, registry, watcher state)")
+    p.add_argument("--data-root", default=DATA_ROOT, help=f"the data root (manifest, registry, watcher state; "
+                   f"default {DATA_ROOT})")
     p.add_argument("--once", action="store_true", help="one pass, then exit (default: a pass every --interval)")
     p.add_argument("--interval", type=float, default=300.0, help="seconds between passes")
-    p.add_argument("--config", default="", help="TOML job config for the runs (default: the champion's)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="config override, repeatable, e.g. --set train.max_steps=500")
+    p.add_argument("--config", default="", help="TOML job config for the runs: a file, or a packaged config's name "
+                   "(default: the champion's)")
+    _set_argument(p)
     p.add_argument("--held-out", default="", help="comma-separated SEG-Y URLs to evaluate on "
                    "(default: the champion's held-out surveys)")
     p.add_argument("--flow", default="", help="the pretrain flow file (default: the package's, "
@@ -439,7 +531,7 @@ def _add_model_commands(sub) -> None:
                    help="only these components (repeatable; default: ingest, train, registry, watcher)")
     p.add_argument("--demo", action="store_true", help="also let the embedded demo write <data-root>/landing")
     p.add_argument("--kms-key-arn", action="append", help="KMS key of an SSE-KMS bucket (repeatable)")
-    p.add_argument("--partition", default="aws", help="ARN partition (aws, aws-cn, aws-us-gov)")
+    p.add_argument("--partition", choices=["aws", "aws-cn", "aws-us-gov"], default="aws", help="ARN partition")
     p.add_argument("--vpce", action="append", help="VPC endpoint id (vpce-...) every S3 grant is limited to "
                    "(aws:SourceVpce; repeatable)")
     p.add_argument("--bucket-policy", action="store_true", help="print instead the data root bucket's policy: "
@@ -458,35 +550,48 @@ def _add_model_commands(sub) -> None:
     p.set_defaults(func=_cmd_network_policy)
 
 
+def _device(text: str) -> str:
+    """argparse's type of --device: one of sfm.config_values.DEVICES."""
+    from sfm.config_values import check_device
+
+    try:
+        return check_device(text)
+    except SFMError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _add_predict_command(sub) -> None:
     """predict: a task model over a whole survey, into a prediction store (docs/predict.md)."""
-    from sfm.predict.parts import LAYOUTS, OUTPUTS, PredictOptions
+    from sfm.config import PREDICT_OUTPUTS, PredictConfig
 
     p = sub.add_parser("predict", help="predict a whole survey with a task model, into a store on its grid "
                        "(and optionally a SEG-Y)")
-    p.add_argument("--model", required=True, help="NAME[:vN|:latest|:champion] in the registry (e.g. sfm-faults:v3; "
-                   "NAME alone: its champion), or an exported task model's folder URL")
+    p.add_argument("--model", required=True, help="a model reference of the registry in --data-root (sfm-faults: "
+                   "its champion, sfm-faults:v3, sfm-faults:latest), or a task model's folder URL")
     p.add_argument("--survey", required=True, help="the survey store's URL (what `sfm ingest` printed)")
     p.add_argument("--out", required=True, help="the prediction store's URL (local path or s3://); must not exist")
-    p.add_argument("--data-root", default=PredictOptions.data_root, help="where --model NAME is registered "
-                   f"(default {PredictOptions.data_root}, the flows' default)")
-    p.add_argument("--output", choices=OUTPUTS, default=PredictOptions.output,
-                   help="probability (float32; binary tasks: of class 1) or classes (uint8)")
-    p.add_argument("--mirror", action="store_true", help="test-time mirroring: each window also seen flipped along "
-                   "the inlines and crosslines (and swapped), averaged; 4-8x the work")
-    p.add_argument("--layout", choices=LAYOUTS, default=PredictOptions.layout,
-                   help="sfm (default), or mdio: also what MDIO's tools read and export (needs a survey ingested "
-                        "with --layout mdio, or an MDIO store)")
-    p.add_argument("--segy", default=PredictOptions.segy, help="also write a SEG-Y here, with the source's trace "
-                   "headers")
-    p.add_argument("--parts", type=int, default=PredictOptions.parts, help="split the survey into this many parts "
-                   "(runs of whole shard rows) for separate tasks or GPUs")
+    p.add_argument("--data-root", default=DATA_ROOT, help=f"where --model NAME is registered (default {DATA_ROOT})")
+    p.add_argument("--config", default="", help="TOML job config whose [predict] section holds the settings below "
+                   "(a file, or a packaged config's name; default: sfm/default.toml)")
+    # each flag below sets its key of [predict] (sfm.config.PARAMETERS); not given: the config's value
+    p.add_argument("--output", choices=PREDICT_OUTPUTS, help="probability (float32; binary tasks: of class 1) or "
+                   f"classes (uint8); default: the config's, {PredictConfig.output}")
+    p.add_argument("--mirror", action="store_true", default=None, help="test-time mirroring: each window also seen "
+                   "flipped along the inlines and crosslines (and swapped), averaged; 4-8x the work")
+    p.add_argument("--layout", choices=LAYOUTS, help="sfm (default), or mdio: also what MDIO's tools read and export "
+                   "(needs a survey ingested with --layout mdio, or an MDIO store)")
+    p.add_argument("--segy", default="", help="also write a SEG-Y here, with the source's trace headers")
+    p.add_argument("--parts", type=int, help="split the survey into this many parts (runs of whole shard rows) for "
+                   f"separate tasks or GPUs (default: the config's, {PredictConfig.parts})")
     p.add_argument("--part", type=int, default=None, help="run only this part (0..parts-1) and publish nothing; "
                    "without it every part not yet written runs, then the store is published")
-    p.add_argument("--overlap", type=float, default=PredictOptions.overlap,
-                   help="overlap of neighbouring windows, a fraction of the crop (default 0.5)")
-    p.add_argument("--batch-size", type=int, default=PredictOptions.batch_size, help="windows per network call")
-    p.add_argument("--device", default=PredictOptions.device, help="auto (a GPU if there is one), cpu, cuda or cuda:N")
+    p.add_argument("--overlap", type=float, help="overlap of neighbouring windows, a fraction of the crop (default: "
+                   f"the config's, {PredictConfig.overlap})")
+    p.add_argument("--batch-size", type=int, help="windows per network call (default: the config's, "
+                   f"{PredictConfig.batch_size})")
+    p.add_argument("--device", type=_device, metavar="{" + ",".join(DEVICES) + "}",
+                   help="auto (a GPU if there is one), cpu, cuda or cuda:N (default: the config's, auto)")
+    _set_argument(p)
     p.set_defaults(func=_cmd_predict)
 
 
@@ -495,7 +600,7 @@ def _add_run_commands(sub) -> None:
     p = sub.add_parser("status", help="a training run's progress from its heartbeat")
     p.add_argument("run", help="run root (s3://.../checkpoints/RUN or a local path) or a run name "
                    "(PretrainFlow-ID or PretrainFlow/ID, with --data-root)")
-    p.add_argument("--data-root", default="", help="data root holding checkpoints/<run>/")
+    p.add_argument("--data-root", default=DATA_ROOT, help=f"data root holding checkpoints/<run>/ (default {DATA_ROOT})")
     p.add_argument("--stale-after", type=float, default=600.0, help="seconds without a heartbeat before a "
                    "running job counts as stale (default 600)")
     p.add_argument("--json", action="store_true", help="print the heartbeat as JSON")

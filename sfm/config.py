@@ -14,11 +14,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
-from sfm.config_values import at_least, coerce, field_types, fraction_in, one_of, parse_literal, toml_text
+from sfm.config_values import (at_least, check_device, coerce, field_types, fraction_in, one_of, parse_literal,
+                               split_assignments, toml_text)
 from sfm.errors import SFMError
 
 DEFAULT_TOML = Path(str(resources.files("sfm") / "default.toml"))  # inside the package, also when installed
 CONFIGS_DIR = Path(str(resources.files("sfm") / "configs"))  # example job configs, named by config_file()
+DATA_ROOT = "sfm_data"  # the data root of every command and flow that is given none (--data-root)
 # data.augment: what sfm.data.crops may apply per crop (the last two: time axis reversed, polarity inverted)
 AUGMENTATIONS = ("flip_inline", "flip_crossline", "swap", "reverse_time", "invert_polarity")
 ALIGNMENTS = ("voxel", "brick")  # data.align: crop origins anywhere, or on the store's brick grid
@@ -211,7 +213,7 @@ class TrainConfig:
     log_every: int = 10
     log_every_s: float = 30.0  # without a terminal (a flow task, a Slurm log): a plain progress line this often
     threads_per_process: int = 0  # 0: torch's default
-    init_from: str = ""  # URL of a registered/exported model to continue pretraining from
+    init_from: str = ""  # continue pretraining from: a model reference (sfm-mae:v3) or an exported model's folder URL
     snapshots: tuple[float, ...] = ()  # fractions of max_steps at which the model is also exported (snapshots/step-N)
     # where the run's figures and config go (pretraining and fine-tuning, from the main process): any of Accelerate's
     # trackers (TRACKERS: tensorboard, mlflow, wandb, aim, ...); mlflow logs to registry.mlflow_uri, else
@@ -224,8 +226,8 @@ class TrainConfig:
         """Every setting valid, or SFMError naming it and the fix."""
         at_least("train", self, {"max_steps": 1, "warmup_steps": 0, "grad_accum": 1, "checkpoint_every": 1,
                                   "keep_checkpoints": 0, "log_every": 1},
-                  {"max_steps": "; give a positive one: --max-steps N (the pretrain flow), train.max_steps=N "
-                                 "(sfm train, sfm slurm-script; sfm watch --set train.max_steps=N) or [train] max_steps"})
+                  {"max_steps": "; give a positive one: --max-steps N (the pretrain flow), --set train.max_steps=N "
+                                 "(sfm train, sfm slurm-script, sfm watch, the flows) or [train] max_steps"})
         if not self.log_every_s > 0:
             raise SFMError(f"train.log_every_s = {self.log_every_s} must be positive (seconds between progress lines)")
         if not (self.lr > 0 and self.min_lr >= 0):
@@ -381,6 +383,31 @@ class FinetuneConfig:
 
 
 @dataclass
+class PredictConfig:
+    """How a task model predicts a whole survey (``sfm predict``, the predict flow: :class:`sfm.predict.PredictOptions`
+    takes its defaults from here)."""
+
+    output: str = "probability"  # probability (float32; binary tasks: of class 1) | classes (uint8)
+    mirror: bool = False  # test-time mirroring: inline/crossline flips (and swap) averaged; 4-8x the work
+    layout: str = "sfm"  # sfm | mdio: also what MDIO's tools read and export
+    parts: int = 1  # tasks (or GPUs) the survey is split into, runs of whole shard rows
+    overlap: float = 0.5  # of a crop, between neighbouring windows
+    batch_size: int = 8  # windows per network call
+    device: str = "auto"  # auto (a GPU if there is one) | cpu | cuda | cuda:N
+
+    def check(self) -> None:
+        """Every setting valid, or SFMError naming it and the fix."""
+        one_of("predict.output", self.output, PREDICT_OUTPUTS)
+        one_of("predict.layout", self.layout, LAYOUTS)
+        fraction_in("predict.overlap", self.overlap, "[)", "the overlap of neighbouring windows, of a crop")
+        at_least("predict", self, {"parts": 1, "batch_size": 1})
+        check_device(self.device)
+
+
+PREDICT_OUTPUTS = ("probability", "classes")  # predict.output
+
+
+@dataclass
 class SynthConfig:
     """The surveys generated into <data-root>/landing when a run names none (sfm.synth.survey)."""
 
@@ -432,6 +459,7 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     synth: SynthConfig = field(default_factory=SynthConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     retrain: RetrainConfig = field(default_factory=RetrainConfig)
 
@@ -459,28 +487,30 @@ class JobConfig:
             raise SFMError(f"config file {path} is not valid TOML ({err}); fix the syntax") from err
         return cls.from_dict(data).override(overrides or ())
 
-    def override(self, assignments: Iterable[str] = (), **named: Any) -> "JobConfig":
-        """This config (changed in place, and returned) with the ``section.key=value`` ``assignments`` set, then
-        the ``named`` parameters, each on the key :data:`PARAMETERS` gives it (``max_steps=500``: train.max_steps);
-        None leaves the config's value. The one path by which the flows' parameters and the CLI's arguments reach a
-        job; nothing is checked here (:meth:`validate`)."""
-        for item in assignments:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise SFMError(f"override '{item}' must look like section.key=value")
-            self.set(key.strip(), parse_literal(value.strip()))
+    def override(self, assignments: str | Iterable[str] = (), **named: Any) -> "JobConfig":
+        """This config (changed in place, and returned) with the ``named`` parameters set, each on the key
+        :data:`PARAMETERS` gives it (``max_steps=500``: train.max_steps; None leaves the config's value), then the
+        ``section.key=value`` ``assignments`` (``--set``: :func:`assignments`), which therefore win. The one path by
+        which the flows' parameters and the CLI's arguments reach a job; nothing is checked here (:meth:`validate`).
+
+        A flow's named parameters default to the config's values, so they change nothing unless given, and its
+        ``--set`` applies on top; the CLI's flags default to None."""
         for name, value in named.items():
             if name not in PARAMETERS:
                 raise TypeError(f"{name} is not a job parameter; known: {', '.join(PARAMETERS)}")
             if value is not None:
                 self.set(PARAMETERS[name], value)
+        for item in split_assignments(assignments):
+            key, _, value = item.partition("=")
+            self.set(key.strip(), parse_literal(value.strip()))
         return self
 
     def validate(self) -> None:
         """Every section valid (its ``check``) and the sections agree, or SFMError naming the key and the fix:
         the flow's ``start`` and ``sfm train`` call this before any survey is read. Whether the [model] settings
         make a model is the model layer's to check (:func:`sfm.model.model_config_for`), where a job starts."""
-        for section in (self.ingest, self.data, self.model, self.train, self.eval, self.finetune, self.registry):
+        for section in (self.ingest, self.data, self.model, self.train, self.eval, self.finetune, self.predict,
+                        self.registry):
             section.check()
         if self.data.batch_dtype == "int8" and self.ingest.dtype != "int8":
             raise SFMError(f"data.batch_dtype = \"int8\" delivers the stored int8 values, but ingest.dtype = "
@@ -540,7 +570,10 @@ class JobConfig:
 PARAMETERS = {"preset": "model.preset", "max_steps": "train.max_steps", "nodes": "dist.nodes",
               "procs_per_node": "dist.procs_per_node", "cp": "dist.cp", "strategy": "dist.strategy",
               "launcher": "dist.launcher", "accelerate_config": "dist.accelerate_config",
-              "ingest_parts": "ingest.parts", "seed": "finetune.seed"}
+              "ingest_parts": "ingest.parts", "init_from": "train.init_from", "seed": "finetune.seed",
+              **{key: f"predict.{key}" for key in ("output", "mirror", "layout", "parts", "overlap", "batch_size",
+                                                   "device")}}
+
 
 
 def _section_names() -> list[str]:

@@ -1,5 +1,5 @@
-"""How config values are read and checked (sfm.config): TOML literals and ``section.key=value`` overrides,
-coercion to a field's type, the range checks every section's ``check`` uses, and TOML out."""
+"""How config values are read and checked (sfm.config): TOML literals and ``section.key=value`` overrides
+(``--set``), coercion to a field's type, the range checks every section's ``check`` uses, and TOML out."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import functools
 import json
 import types
 import typing
-from typing import Any
+from typing import Any, Iterable
 
 from sfm.errors import SFMError
 
@@ -87,3 +87,27 @@ def fraction_in(key: str, value: float, ends: str, meaning: str) -> None:
 def one_of(key: str, value: Any, valid: tuple[str, ...]) -> None:
     if value not in valid:
         raise SFMError(f"{key} = {value!r} is not valid; use one of {', '.join(valid)}")
+
+
+def split_assignments(assignments: str | Iterable[str]) -> list[str]:
+    """The ``section.key=value`` items of ``--set``: each value given (the CLI's ``--set`` repeats; a flow's takes one
+    string) may hold several, separated by ``;`` (``train.max_steps=500;data.batch_size=4``). SFMError for an item
+    that is not an assignment."""
+    items = [assignments] if isinstance(assignments, str) else list(assignments)
+    out = [piece.strip() for item in items for piece in str(item).split(";") if piece.strip()]
+    for item in out:
+        key, sep, _ = item.partition("=")
+        if not sep or "." not in key:
+            raise SFMError(f"--set {item!r} must look like section.key=value (several: --set 'a.b=1;c.d=2')")
+    return out
+
+
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # predict.device: what check_device accepts (N: a GPU's index)
+
+
+def check_device(device: str) -> str:
+    """``device`` if it is one of :data:`DEVICES` (``cuda:N`` with a number), else SFMError."""
+    kind, sep, index = str(device).partition(":")
+    if (kind, sep) in (("auto", ""), ("cpu", ""), ("cuda", "")) or (kind == "cuda" and sep and index.isdigit()):
+        return device
+    raise SFMError(f"device {device!r} is not a device; use {', '.join(DEVICES)}")

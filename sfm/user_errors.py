@@ -68,3 +68,9 @@ def in_flow() -> Iterator[None]:
         if line is None:
             raise
         raise flow_input_error()(line) from None
+
+
+def deprecated(old: str, new: str) -> None:
+    """One line on stderr for an old spelling that still works, for one release: ``old`` as the user wrote it,
+    ``new`` what to write instead."""
+    print(f"sfm: deprecated: {old} works in this release only; write {new}", file=sys.stderr, flush=True)

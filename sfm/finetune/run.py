@@ -1,6 +1,6 @@
 """What each step of ``flows/finetune_flow.py`` does: one function per step, no Metaflow imports.
 
-    encoder = resolve_encoder("champion", data_root, cfg)      # start: the weights, or random
+    encoder = resolve_encoder("sfm-mae", data_root, cfg)       # start: the weights, or random
     pairs = plan_pairs(surveys, labels, held_out, ...)          # start: every survey with its labels and role
     pairs = ingest_pairs(pairs, data_root, cfg.ingest)          # ingest: sfm.ingest.labels, surveys and labels published
     job = node_job(cfg, pairs, encoder, task, run_root)          # launch
@@ -24,27 +24,22 @@ from sfm.model import registry
 
 
 def resolve_encoder(encoder: str, data_root: str, cfg: JobConfig) -> dict[str, Any]:
-    """What ``--encoder`` names: ``random`` (the config's architecture, randomly initialised: the baseline),
-    ``champion|latest|vN`` of ``[registry] model_name`` in ``data_root``, or an exported model's URL.
-    Returns {"url": the weights ("" for random), "encoder": how lineage names it, "version": N or None}."""
+    """What ``--encoder`` names: ``random`` (the config's architecture, randomly initialised: the baseline), or an
+    encoder by model reference or folder (:func:`sfm.model.registry.find`: ``sfm-mae``, ``sfm-mae:v3``,
+    ``sfm-mae:latest``, an exported encoder's URL). Returns {"url": the weights ("" for random), "encoder": how
+    lineage names it, "version": N or None}."""
     from sfm.model import model_config_for
 
     value = str(encoder).strip()
     if value == "random":
         model_config_for(cfg)  # the architecture makes a model
         return {"url": "", "encoder": "random", "version": None}
-    if value in ("champion", "latest") or (value[:1] == "v" and value[1:].isdigit()) or value.isdigit():
-        name = cfg.registry.model_name
-        version = registry.resolve(data_root, name, value)
-        registry.get(data_root, name, version)  # refuses a version that is not there
-        return {"url": registry.version_url(data_root, name, version), "encoder": f"{name}:v{version}",
-                "version": version}
-    url = storage.normalize(value)
-    config_url = storage.join(url, "config.json")
+    ref = registry.find(data_root, value, default_model=cfg.registry.model_name, flag="--encoder")
+    config_url = storage.join(ref.url, "config.json")
     if not storage.exists(config_url) or "task" in json.loads(storage.read_bytes(config_url)):
-        raise SFMError(f"--encoder {value} is not an exported encoder (no config.json of an MAE there); give "
-                       "champion, latest, vN, random or an encoder's folder")
-    return {"url": url, "encoder": url, "version": None}
+        raise SFMError(f"--encoder {value} is not an encoder (no config.json of an MAE at {ref.url}); give a model "
+                       f"reference such as {cfg.registry.model_name}:v1, an exported encoder's folder, or random")
+    return {"url": ref.url, "encoder": str(ref), "version": ref.version or None}
 
 
 def plan_pairs(surveys: str, labels: str, held_out: str = "", held_out_labels: str = "", validation: str = "",
@@ -78,15 +73,20 @@ def held_out_fraction(held_out: str) -> float | None:
     return value
 
 
-def node_job(cfg: JobConfig, pairs: list[dict[str, Any]], encoder: dict[str, Any], task: str,
-             run_root: str) -> FinetuneJob:
-    """The job every rank reads (:mod:`sfm.finetune.job`), after checking the task."""
+def check_task(task: str, cfg: JobConfig) -> None:
+    """``--task`` (binary or classes:N) valid with the config's head, or SFMError: the flow's start checks it."""
     from sfm.model.segmenter import Task
 
     try:
         Task.parse(task, head=cfg.finetune.head)
     except ValueError as err:
         raise SFMError(f"--task {task}: {err}") from None
+
+
+def node_job(cfg: JobConfig, pairs: list[dict[str, Any]], encoder: dict[str, Any], task: str,
+             run_root: str) -> FinetuneJob:
+    """The job every rank reads (:mod:`sfm.finetune.job`), after checking the task."""
+    check_task(task, cfg)
     return FinetuneJob(cfg, encoder["url"], encoder["encoder"], task, run_root,
                        [(p["store_url"], p["label_url"]) for p in pairs], [p["role"] for p in pairs],
                        [p["label_id"] for p in pairs])

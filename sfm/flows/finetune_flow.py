@@ -3,8 +3,9 @@ registered as ``sfm-<task-name>/vN``.
 
     sfm flow finetune run --surveys a.sgy --labels a-faults.sgy --held-out 0.2 --task-name faults
     sfm flow finetune run --surveys a.sgy,b.sgy --labels a.npy,b.npy --held-out c.sgy \\
-        --held-out-labels c.npy --encoder v3 --task classes:4 --task-name facies --procs-per-node 4
+        --held-out-labels c.npy --encoder sfm-mae:v3 --task classes:4 --task-name facies --procs-per-node 4
     sfm flow finetune run ... --encoder random  # the baseline: what pretraining bought you
+    sfm flow finetune run ... --set "finetune.steps=200;finetune.head=unetr"   # any config key
 
 ``sfm flow finetune ...`` runs this file; in a checkout ``python flows/finetune_flow.py ...`` is the same flow.
 Each step calls one function of ``sfm.finetune.run`` and keeps only small artifacts (URLs, ids, metrics).
@@ -17,16 +18,18 @@ import tomllib
 
 from metaflow import (Config, FlowSpec, Parameter, card, config_expr, current, parallel, step)
 
-from sfm.config import DEFAULT_TOML
-from sfm.ops.cluster import job_of  # also in the config expressions below
+from sfm.config import DATA_ROOT, DEFAULT_TOML
+from sfm.ops.cluster import SET_HELP, flow_job, job_of  # noqa: F401  (job_of: in the config expressions below)
 from sfm.user_errors import in_flow
 
 
 class FinetuneFlow(FlowSpec):
     config = Config("config", default=str(DEFAULT_TOML), parser=tomllib.loads,
                     help="TOML job config; its [finetune] section is the recipe (see sfm/config.py)")
-    encoder = Parameter("encoder", default="champion", help="champion | latest | vN of [registry] model_name in "
-                        "--data-root, an exported encoder's URL, or random (the config's architecture: the baseline)")
+    encoder = Parameter("encoder", default=config_expr("job_of(config).registry.model_name"),
+                        help="a model reference of the registry in --data-root (sfm-mae: its champion, sfm-mae:v3, "
+                        "sfm-mae:latest), an exported encoder's URL, or random (the config's architecture: the "
+                        "baseline); default: the champion of the config's [registry] model_name")
     surveys = Parameter("surveys", default="", help="comma-separated surveys to fine-tune on: SEG-Y/MDIO URLs "
                         "(ingested), survey ids or survey store URLs")
     labels = Parameter("labels", default="", help="their labels, one per survey: SEG-Y with the survey's geometry, "
@@ -37,10 +40,10 @@ class FinetuneFlow(FlowSpec):
     validation = Parameter("validation", default="", help="surveys early stopping scores (with --validation-labels); "
                            "default: [finetune] validation of the training labelled lines")
     validation_labels = Parameter("validation-labels", default="", help="labels of the --validation surveys")
-    task = Parameter("task", default="binary", help="binary (class 1 against 0) or classes:N")
+    task = Parameter("task", default="binary", help="binary (class 1 against 0) | classes:N")
     task_name = Parameter("task-name", default="segmentation", help="the task model is registered as sfm-<task-name>, "
                           "e.g. faults: sfm-faults")
-    data_root = Parameter("data-root", default="sfm_data", help="local path or s3://bucket/prefix for all outputs")
+    data_root = Parameter("data-root", default=DATA_ROOT, help="local path or s3://bucket/prefix for all outputs")
     nodes = Parameter("nodes", default=config_expr("job_of(config).dist.nodes"), type=int,
                       help="nodes for the @parallel finetune step; default: the config's [dist] nodes")
     procs_per_node = Parameter("procs-per-node", default=config_expr("job_of(config).dist.procs_per_node"), type=int,
@@ -48,6 +51,7 @@ class FinetuneFlow(FlowSpec):
                                "procs_per_node")
     seed = Parameter("seed", default=config_expr("job_of(config).finetune.seed"), type=int,
                      help="crops, augmentation and initialisation; default: the config's [finetune] seed")
+    overrides = Parameter("set", default="", help=SET_HELP)
 
     @step
     def start(self):
@@ -55,11 +59,13 @@ class FinetuneFlow(FlowSpec):
         from sfm.finetune import run
 
         with in_flow():
-            cfg = job_of(self.config).override(seed=self.seed, nodes=self.nodes, procs_per_node=self.procs_per_node)
+            cfg = flow_job(self.config, self.overrides, seed=self.seed, nodes=self.nodes,
+                           procs_per_node=self.procs_per_node)
             fraction = run.held_out_fraction(self.held_out)
             if fraction is not None:
                 cfg.set("finetune.held_out", fraction)
             cfg.validate()
+            run.check_task(self.task, cfg)
             self.job_config = cfg
             self.root = storage.normalize(self.data_root)
             self.encoder_ref = run.resolve_encoder(self.encoder, self.root, cfg)

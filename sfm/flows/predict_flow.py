@@ -9,39 +9,53 @@
 
 start (plan: model, survey and output checked, the store's arrays made) -> predict (one task per part:
 whole shard rows) -> publish (the SEG-Y export if asked, then the store's root zarr.json, last) -> end.
-Each step calls one function of ``sfm.predict`` and keeps only small artifacts (URLs, counts). Every parameter
-defaults to :class:`sfm.predict.PredictOptions`'s value, as ``sfm predict``'s do; the plan ``start`` stages is the
-typed job the other steps read (:func:`sfm.predict.store.staged_plan`).
+Each step calls one function of ``sfm.predict`` and keeps only small artifacts (URLs, counts). The settings
+are the job config's ``[predict]`` section (sfm/config.py: PredictConfig), as ``sfm predict``'s are: each
+parameter defaults to the config's value, ``--set`` sets any key on top; the plan ``start`` stages is the typed
+job the other steps read (:func:`sfm.predict.store.staged_plan`).
 """
 
-from metaflow import FlowSpec, Parameter, retry, step
+import tomllib
 
-from sfm.predict.parts import PredictOptions
+from metaflow import Config, FlowSpec, Parameter, config_expr, retry, step
+
+from sfm.config import DATA_ROOT, DEFAULT_TOML
+from sfm.ops.cluster import SET_HELP, flow_job, job_of  # noqa: F401  (job_of: in the config expressions below)
 from sfm.user_errors import in_flow
 
 
 class PredictFlow(FlowSpec):
-    model = Parameter("model", required=True, help="NAME[:vN] in --data-root's registry (NAME: its champion), or an "
-                      "exported task model's folder URL")
+    config = Config("config", default=str(DEFAULT_TOML), parser=tomllib.loads,
+                    help="TOML job config; its [predict] section holds the settings below (see sfm/config.py)")
+    model = Parameter("model", required=True, help="a model reference of the registry in --data-root (sfm-faults: "
+                      "its champion, sfm-faults:v3, sfm-faults:latest) or a task model's folder URL")
     survey = Parameter("survey", required=True, help="the survey store's URL")
     out = Parameter("out", required=True, help="the prediction store's URL; must not exist")
-    data_root = Parameter("data-root", default=PredictOptions.data_root, help="where --model NAME is registered")
-    output = Parameter("output", default=PredictOptions.output, help="probability | classes")
-    mirror = Parameter("mirror", default=PredictOptions.mirror, type=bool, help="test-time mirroring (inline/crossline flips)")
-    layout = Parameter("layout", default=PredictOptions.layout, help="sfm | mdio")
-    segy = Parameter("segy", default=PredictOptions.segy, help="also write a SEG-Y with the source's trace headers here")
-    parts = Parameter("parts", default=PredictOptions.parts, type=int, help="tasks the survey is split into")
-    overlap = Parameter("overlap", default=PredictOptions.overlap, type=float, help="window overlap, of a crop")
-    batch_size = Parameter("batch-size", default=PredictOptions.batch_size, type=int, help="windows per network call")
+    data_root = Parameter("data-root", default=DATA_ROOT, help="where --model NAME is registered")
+    output = Parameter("output", default=config_expr("job_of(config).predict.output"),
+                       help="probability | classes; default: the config's [predict] output")
+    mirror = Parameter("mirror", default=config_expr("job_of(config).predict.mirror"), type=bool,
+                       help="test-time mirroring (inline/crossline flips): True | False; default: the config's")
+    layout = Parameter("layout", default=config_expr("job_of(config).predict.layout"),
+                       help="sfm | mdio; default: the config's [predict] layout")
+    segy = Parameter("segy", default="", help="also write a SEG-Y with the source's trace headers here")
+    parts = Parameter("parts", default=config_expr("job_of(config).predict.parts"), type=int,
+                      help="tasks the survey is split into; default: the config's [predict] parts")
+    overlap = Parameter("overlap", default=config_expr("job_of(config).predict.overlap"), type=float,
+                        help="window overlap, of a crop; default: the config's [predict] overlap")
+    batch_size = Parameter("batch-size", default=config_expr("job_of(config).predict.batch_size"), type=int,
+                           help="windows per network call; default: the config's [predict] batch_size")
+    overrides = Parameter("set", default="", help=SET_HELP)
 
     @step
     def start(self):
-        from sfm.predict import plan_prediction
+        from sfm.predict import PredictOptions, plan_prediction
 
-        opts = PredictOptions(model=self.model, survey=self.survey, out=self.out, data_root=self.data_root,
-                              output=self.output, mirror=self.mirror, layout=self.layout, segy=self.segy,
-                              parts=self.parts, overlap=self.overlap, batch_size=self.batch_size)
         with in_flow():
+            job = flow_job(self.config, self.overrides, output=self.output, mirror=self.mirror, layout=self.layout,
+                           parts=self.parts, overlap=self.overlap, batch_size=self.batch_size)
+            opts = PredictOptions.of(job.predict, model=self.model, survey=self.survey, out=self.out,
+                                     data_root=self.data_root, segy=self.segy)
             plan = plan_prediction(opts)
         self.store_url, self.part_ids = plan.out, list(range(len(plan.rows)))
         self.next(self.predict, foreach="part_ids")

@@ -10,6 +10,7 @@
                                                            # accelerate launch on every node; the Accelerate
                                                            # config's FSDP2, precision and sizes mapped at start
     sfm flow pretrain --config config quality_cpu run      # a packaged job config (sfm/configs/), or a TOML file
+    sfm flow pretrain run --set "train.lr=1e-3;data.batch_size=4"      # any config key, after the parameters
     sfm flow pretrain resume                               # after a failure: training continues from its checkpoint
 
 ``sfm flow pretrain ...`` runs this file; in a checkout ``python flows/pretrain_flow.py ...`` is the same flow.
@@ -24,8 +25,9 @@ from metaflow import (Config, FlowSpec, Parameter, card, config_expr, current, e
                       retry, schedule, step, trigger)
 
 # used by the config expressions below
-from sfm.ops.cluster import job_of, kubernetes_placement, node_environment, pod_resources  # noqa: F401
-from sfm.config import DEFAULT_TOML
+from sfm.ops.cluster import (SET_HELP, flow_job, job_of, kubernetes_placement, node_environment,  # noqa: F401
+                             pod_resources)
+from sfm.config import DATA_ROOT, DEFAULT_TOML
 from sfm.ops.schedule import schedule_cron, trigger_event  # noqa: F401
 from sfm.user_errors import in_flow
 
@@ -40,7 +42,7 @@ class PretrainFlow(FlowSpec):
                         "empty: generate three synthetic demo surveys into <data-root>/landing")
     held_out = Parameter("held-out", default="", help="SEG-Y URLs (as --surveys) evaluated but never trained on "
                          "(default: the last of --surveys)")
-    data_root = Parameter("data-root", default="sfm_data", help="local path or s3://bucket/prefix for all outputs")
+    data_root = Parameter("data-root", default=DATA_ROOT, help="local path or s3://bucket/prefix for all outputs")
     preset = Parameter("preset", default=config_expr("job_of(config).model.preset"),
                        help="model preset (tiny|small|base|large|huge); default: the config's [model] preset")
     max_steps = Parameter("max-steps", default=config_expr("job_of(config).train.max_steps"), type=int,
@@ -66,8 +68,10 @@ class PretrainFlow(FlowSpec):
                              help="tasks to split each survey's ingest into (whole 4 GiB pieces to scan, whole shard "
                              "rows to write); 0: one per [ingest] part_gb GB; default: the config's [ingest] parts")
     init_from = Parameter("init-from", default=config_expr("job_of(config).train.init_from"),
-                          help="continue pretraining from these weights: an exported model folder URL, or "
-                          "champion|latest|vN of the registry in --data-root; default: the config's [train] init_from")
+                          help="continue pretraining from these weights: a model reference of the registry in "
+                          "--data-root (sfm-mae, sfm-mae:v3, sfm-mae:latest, sfm-mae:champion) or a model folder's "
+                          "URL; default: the config's [train] init_from")
+    overrides = Parameter("set", default="", help=SET_HELP)
 
     @step
     def start(self):
@@ -76,11 +80,11 @@ class PretrainFlow(FlowSpec):
 
         with in_flow():
             self.root = storage.normalize(self.data_root)
-            job = pipeline.job_config(job_of(self.config).override(
-                preset=self.preset, max_steps=self.max_steps, nodes=self.nodes, procs_per_node=self.procs_per_node,
-                cp=self.cp, strategy=self.strategy, launcher=self.launcher, accelerate_config=self.accelerate_config,
-                ingest_parts=self.ingest_parts))
-            self.job = pipeline.resolve_init_from(job, self.init_from, self.root)
+            job = pipeline.job_config(flow_job(
+                self.config, self.overrides, preset=self.preset, max_steps=self.max_steps, nodes=self.nodes,
+                procs_per_node=self.procs_per_node, cp=self.cp, strategy=self.strategy, launcher=self.launcher,
+                accelerate_config=self.accelerate_config, ingest_parts=self.ingest_parts, init_from=self.init_from))
+            self.job = pipeline.resolve_init_from(job, self.root)
             self.plan = pipeline.plan_surveys(self.surveys, self.held_out, self.root, self.job.synth)
         self.run_key = current.run_id  # a resumed run clones this step, so it keeps the original key
         with in_flow():

@@ -164,7 +164,8 @@ def _use_section(task: dict[str, Any] | None) -> str:
                "(`sfm predict` slides it over a whole survey), as a first pass an interpreter reviews.")
     else:
         use = ("Intended use: the encoder of seismic task models (fault, horizon or facies segmentation), fine-tuned "
-               "with a few labelled volumes (`flows/finetune_flow.py --encoder`), or features for probes.")
+               "with a few labelled volumes (`sfm flow finetune run --encoder THIS_FOLDER ...`), or features for "
+               "probes.")
     limits = ("Limits: it has seen only the surveys listed above; amplitudes are standardised per survey as the "
               "training loader does, so feed volumes through sfm's loader or standardise them the same way. Its "
               "scores hold on the held-out data named here, not on other acquisitions, processing or domains "

@@ -32,7 +32,8 @@ forced. Encoders (``sfm-mae``) and task models (``sfm-<task>``, whose config.jso
 
 A version folder is a Hugging Face model folder but for its card (``from_pretrained`` opens it:
 :mod:`sfm.model.hub`); :func:`export` writes one with the card. Users name a version by a reference,
-``NAME[:vN|:N|:latest|:champion]``, which :func:`resolve_reference` reads. Every registration and promotion is
+``NAME[:vN|:N|:latest|:champion]``, which :func:`resolve_reference` reads; :func:`find` is what every command
+that names a model calls (a reference, or a model folder). Every registration and promotion is
 also logged to MLflow when one is configured (:func:`sync_mlflow`, :mod:`sfm.model.mlflow_sync`): the registry
 stays the source of truth, and an MLflow that fails costs one line, never the registration.
 """
@@ -183,6 +184,46 @@ def resolve_reference(data_root: str, ref: str, *, default_model: str = "") -> t
     number = resolve(data_root, name, version or "champion")
     get(data_root, name, number)  # a version that is not there (or not complete) is refused
     return name, number
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What a model reference named (:func:`find`): a registry version (``name``, ``version``, the ``data_root`` it is
+    registered in) or a model folder elsewhere (``url`` alone); ``url`` is where its files are."""
+
+    url: str
+    name: str = ""
+    version: int = 0
+    data_root: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.name}:v{self.version}" if self.name else self.url
+
+
+_VERSION_FOLDER = re.compile(r"^(?P<root>.+)/registry/(?P<name>[^/]+)/v(?P<version>\d+)$")
+
+
+def find(data_root: str, ref: str, *, default_model: str = "", flag: str = "") -> ModelRef:
+    """The model ``ref`` names, wherever a user names one (``--encoder``, ``--init-from``, ``--model``, ``sfm registry
+    show|promote|load|export|sync``): a reference of ``data_root``'s registry (:func:`resolve_reference`: ``NAME``,
+    ``NAME:vN``, ``NAME:latest``, ``NAME:champion``), or a folder URL (:func:`is_folder_url`). A registry version's
+    folder (``<root>/registry/NAME/vN``) is that version, in that root; any other folder is taken as it is.
+
+    ``default_model``: the model a bare ``vN``, ``latest`` or ``champion`` used to name (``--encoder``,
+    ``--init-from``); that spelling still works, with a one-line notice naming ``flag``, for one release."""
+    from sfm.user_errors import deprecated
+
+    text = str(ref).strip()
+    if is_folder_url(text):
+        url = storage.normalize(text).rstrip("/")
+        match = _VERSION_FOLDER.match(url)
+        if match and storage.exists(storage.join(url, "version.json")):
+            return ModelRef(url, match["name"], int(match["version"]), match["root"])
+        return ModelRef(url)
+    if default_model and _VERSION_WORDS.match(text):
+        deprecated(f"{flag} {text}".strip(), f"{flag} {default_model}:{text}".strip())
+    name, version = resolve_reference(data_root, text, default_model=default_model)
+    return ModelRef(version_url(data_root, name, version), name, version, data_root)
 
 
 def get(data_root: str, model_name: str, version: int | str = "champion") -> dict[str, Any]:

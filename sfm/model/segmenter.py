@@ -196,7 +196,7 @@ def segmenter_from_files(config: bytes, weights: bytes, where: str) -> Segmenter
     meta = json.loads(config)
     if "task" not in meta:
         raise SFMError(f"{where} is not a task model (its config.json has no task section); "
-                       "fine-tune one with flows/finetune_flow.py")
+                       "fine-tune one with `sfm flow finetune`")
     net = Segmenter(MaskedAutoencoder3D(MAEConfig.from_dict(meta["model"])), Task.from_dict(meta["task"]))
     missing, unexpected = net.load_state_dict(load_safetensors(weights), strict=False)
     if unexpected or any(not k.startswith(DECODER_KEYS) for k in missing):

@@ -2,7 +2,7 @@
 
 One source for both cluster engines:
 
-- HyperPod EKS (``python flows/pretrain_flow.py --with kubernetes run``): the flow's ``pretrain`` step
+- HyperPod EKS (``sfm flow pretrain --with kubernetes run``): the flow's ``pretrain`` step
   takes :func:`pod_resources` through ``@resources``, :func:`node_environment` through
   ``@environment`` and, only when it runs on Kubernetes, :class:`kubernetes_placement` adds the node
   selector (instance type), tolerations, image and EFA devices to its ``@kubernetes`` decorator.
@@ -45,6 +45,28 @@ def job_of(config: Any) -> JobConfig:
     (its parameters' defaults, its decorators' arguments) and its ``start`` read. Metaflow evaluates those in every
     process of a run, so each process parses a config once (:func:`_parsed`); every call gets its own copy."""
     return copy.deepcopy(_parsed(json.dumps(dict(config or {}), sort_keys=True, default=str)))
+
+
+# what a flow reads from its config when it is built (decorators: resources, environment, placement, schedule,
+# trigger), before any parameter: ``--set`` cannot reach it, so it is refused there
+BUILD_TIME_SECTIONS = ("cluster", "retrain")
+SET_HELP = ("config keys set on top of the config and the parameters: section.key=value, several separated by ';' "
+            "(e.g. 'train.lr=1e-3;data.batch_size=4'; sfm flow also joins a repeated --set); [cluster] and [retrain] "
+            "only in the --config file")
+
+
+def flow_job(config: Any, overrides: str = "", **named: Any) -> JobConfig:
+    """The job a flow's ``start`` makes: its config (:func:`job_of`) with its named parameters, then its ``--set``
+    (``overrides``: ``section.key=value`` items separated by ``;``) on top (:meth:`JobConfig.override`). A
+    ``--set`` of a section the flow reads when it is built (:data:`BUILD_TIME_SECTIONS`) is refused: it belongs in
+    the ``--config`` file. Nothing is checked here (the flow's start validates)."""
+    from sfm.config_values import split_assignments
+
+    for item in split_assignments(overrides):
+        if item.partition(".")[0].strip() in BUILD_TIME_SECTIONS:
+            raise SFMError(f"--set {item}: [{item.partition('.')[0].strip()}] is read when the flow is built, before "
+                           "--set; put it in the --config config FILE")
+    return job_of(config).override(overrides, **named)
 
 
 @functools.lru_cache(maxsize=4)

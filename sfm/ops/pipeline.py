@@ -1,4 +1,5 @@
-"""What each step of ``flows/pretrain_flow.py`` does: one function per step, no Metaflow imports.
+"""What each step of the pretrain flow (``sfm/flows/pretrain_flow.py``) does: one function per step, no Metaflow
+imports.
 
 The flow stays a thin card of the design; everything here can be called and tested on its own.
 """
@@ -168,21 +169,17 @@ def pretrain_node(cfg: JobConfig, *, train_stores: list[str], run_root: str, nod
     return launch.run_node(node_job(cfg, train_stores, run_root, node), node)
 
 
-def resolve_init_from(cfg: JobConfig, init_from: str, data_root: str) -> JobConfig:
-    """Set ``train.init_from`` for continued pretraining and check the weights fit the job's model.
-
-    ``init_from``: "" keeps the config's; ``champion`` (or ``latest``, ``vN``) names a version of
-    ``registry.model_name`` in ``data_root``; anything else is an exported model folder URL.
+def resolve_init_from(cfg: JobConfig, data_root: str) -> JobConfig:
+    """Resolve ``train.init_from`` (``--init-from``) for continued pretraining and check the weights fit the job's
+    model: a model reference of ``data_root``'s registry (``sfm-mae:latest``) or an exported model folder URL
+    (:func:`sfm.model.registry.find`) becomes the folder's URL; "" is none.
     """
     from sfm.model.mae import MAEConfig
     from sfm.model import model_config_for
 
-    value = str(init_from or "").strip()
-    if value in ("champion", "latest") or (value[:1] == "v" and value[1:].isdigit()):
-        name = cfg.registry.model_name
-        value = registry.version_url(data_root, name, registry.resolve(data_root, name, value))
-    if value:
-        cfg.set("train.init_from", value)
+    if cfg.train.init_from:
+        ref = registry.find(data_root, cfg.train.init_from, default_model=cfg.registry.model_name, flag="--init-from")
+        cfg.set("train.init_from", ref.url)
     url = cfg.train.init_from
     if url:
         config_url = storage.join(url, "config.json")
@@ -258,8 +255,8 @@ def closing_lines(summary: dict, metrics: dict, cfg: JobConfig, data_root: str, 
              f"held-out masked NMSE {metrics['masked_nmse']:.4f} vs zero baseline {metrics['baseline_zero_nmse']:.4f}"
              + (f"; fine-tuned AP gain over random init: {gains}" if gains else ""),
              f"registered {name} v{version}{' (champion)' if registered['champion'] else ''} at "
-             f"{storage.join(data_root, 'registry', name, f'v{version}')}; export it with: sfm registry load "
-             f"--data-root {data_root} --model {name} --version {version} --out DIR"]
+             f"{storage.join(data_root, 'registry', name, f'v{version}')}; export it with: sfm registry export "
+             f"{name}:v{version} DIR --data-root {data_root}"]
     if cfg.model.preset == "tiny":
         measured = ", ".join(f"{g} at {n} labelled volume{'s' if n > 1 else ''}" for n, g in QUALITY_GAINS.items())
         lines.append(f"this demo's {cfg.train.max_steps}-step tiny model is too small for pretraining to help, so its "

@@ -52,7 +52,7 @@ def training_surveys(*, surveys: str = "", data_root: str = "", held_out: str = 
     table = manifest.read(data_root)
     if table.empty:
         raise SFMError(f"no published surveys under {storage.join(data_root, 'manifest')}; ingest some first "
-                       "(sfm ingest SEG-Y... --out DATA_ROOT) or pass --surveys")
+                       "(sfm ingest SEG-Y... --data-root DATA_ROOT) or pass --surveys")
     skip = set(storage.split_urls(held_out))
     known = set(table["name"]) | set(table["survey_id"]) | set(table["store_url"])
     unknown = sorted(skip - known)
@@ -68,7 +68,7 @@ def training_surveys(*, surveys: str = "", data_root: str = "", held_out: str = 
 def _registered_mdio(url: str, data_root: str) -> str:
     """The reference group an MDIO store ``url`` is registered as in ``data_root``'s manifest (by source_url)."""
     url = storage.normalize(url).rstrip("/")
-    fix = f"register it first: sfm ingest {url} --out {data_root or 'DATA_ROOT'}"
+    fix = f"register it first: sfm ingest {url} --data-root {data_root or 'DATA_ROOT'}"
     if not data_root:
         raise SFMError(f"--surveys {url} is an MDIO store, read through its registration: pass --data-root, and "
                        f"{fix}")

@@ -14,6 +14,7 @@ and reused, because a rerun with the same model, survey and settings finds the p
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -22,41 +23,40 @@ from dataclasses import dataclass
 from typing import Any
 
 from sfm import storage
+from sfm.config import DATA_ROOT, PredictConfig
 from sfm.errors import SFMError
 from sfm.predict import store
 from sfm.predict.store import PredictionPlan
 
-OUTPUTS = ("probability", "classes")
-LAYOUTS = ("sfm", "mdio")
-
 
 @dataclass
 class PredictOptions:
-    """What ``sfm predict`` and the predict flow take (see ``sfm predict --help``)."""
+    """What ``sfm predict`` and the predict flow take (see ``sfm predict --help``): the model, the survey and the
+    store to write, and the settings of the job config's ``[predict]`` section (:class:`sfm.config.PredictConfig`,
+    whose defaults these are)."""
 
-    model: str  # NAME[:vN] in data_root's registry, or an exported task model's URL
+    model: str  # a model reference (NAME[:vN|:latest|:champion]) in data_root's registry, or a task model's folder
     survey: str  # the survey store's URL
     out: str  # the prediction store's URL
-    data_root: str = "sfm_data"
-    output: str = "probability"  # probability | classes
-    mirror: bool = False  # test-time mirroring: inline/crossline flips (and swap) averaged
-    layout: str = "sfm"  # sfm | mdio
+    data_root: str = DATA_ROOT
+    output: str = PredictConfig.output  # probability | classes
+    mirror: bool = PredictConfig.mirror  # test-time mirroring: inline/crossline flips (and swap) averaged
+    layout: str = PredictConfig.layout  # sfm | mdio
     segy: str = ""  # also export a SEG-Y with the source's trace headers here
-    parts: int = 1  # tasks the survey is split into (runs of whole shard rows)
-    overlap: float = 0.5  # of a crop, between neighbouring windows
-    batch_size: int = 8  # windows per network call
-    device: str = "auto"  # auto (a GPU if there is one) | cpu | cuda | cuda:N
+    parts: int = PredictConfig.parts  # tasks the survey is split into (runs of whole shard rows)
+    overlap: float = PredictConfig.overlap  # of a crop, between neighbouring windows
+    batch_size: int = PredictConfig.batch_size  # windows per network call
+    device: str = PredictConfig.device  # auto (a GPU if there is one) | cpu | cuda | cuda:N
+
+    @classmethod
+    def of(cls, settings: PredictConfig, **given: Any) -> "PredictOptions":
+        """The options of ``settings`` (a job's [predict]) with the model, survey, out, data root, SEG-Y given."""
+        return cls(**dataclasses.asdict(settings), **given)
 
     def check(self) -> None:
         """Every setting valid, or SFMError naming it."""
-        if self.output not in OUTPUTS:
-            raise SFMError(f"--output {self.output!r}: use probability or classes")
-        if self.layout not in LAYOUTS:
-            raise SFMError(f"--layout {self.layout!r}: use sfm, or mdio (read and exported by MDIO's tools too)")
-        if not 0 <= float(self.overlap) < 1:
-            raise SFMError(f"--overlap {self.overlap} must be in [0, 1) (a fraction of the crop; 0.5 by default)")
-        if int(self.parts) < 1 or int(self.batch_size) < 1:
-            raise SFMError(f"--parts {self.parts} and --batch-size {self.batch_size} must be at least 1")
+        fields = {f.name for f in dataclasses.fields(PredictConfig)}
+        PredictConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in fields}).check()
         if not self.out:
             raise SFMError("--out is required: the URL of the prediction store to write")
 
@@ -75,7 +75,7 @@ def _survey_info(url: str):
 
     if not storage.exists(storage.join(url, "zarr.json")):
         raise SFMError(f"--survey {url} is not a survey store (no zarr.json); ingest the survey with `sfm ingest "
-                       "FILE --out DATA_ROOT` and pass the store URL it prints")
+                       "FILE --data-root DATA_ROOT` and pass the store URL it prints")
     return read_survey_info(url)[0]
 
 
@@ -128,7 +128,7 @@ def plan_prediction(opts: PredictOptions) -> PredictionPlan:
         return staged
     if settings["segy"] and storage.exists(settings["segy"]):
         raise SFMError(f"--segy {settings['segy']} already exists; choose another file, or remove it first")
-    plan = PredictionPlan(out, survey, resolved, storage.normalize(opts.data_root) if model.name else "",
+    plan = PredictionPlan(out, survey, resolved, storage.normalize(model.data_root) if model.name else "",
                           opts.output, shape, bricks, shards, [tuple(r) for r in rows], settings, identity)
     if plan.settings["segy"]:
         from sfm.predict.segy_export import header_source

@@ -186,8 +186,8 @@ def test_the_demo_ends_saying_where_the_model_is_and_what_its_gain_means(default
     ends = [line for line in default_run["stdout"].splitlines() if "/end/" in line]  # the end step's lines
     tail = [line for line in ends if "Task finished successfully" not in line][-3:]  # without Metaflow's own
     version_dir = Path(default_run["view"]["root"]) / "registry" / "sfm-mae" / "v1"
-    assert any(f"registered sfm-mae v1 (champion) at {version_dir}" in line and "sfm registry load" in line
-               for line in tail), tail
+    assert any(f"registered sfm-mae v1 (champion) at {version_dir}" in line
+               and "sfm registry export sfm-mae:v1 DIR" in line for line in tail), tail
     assert "tiny model is too small for pretraining to help" in tail[-1] and tail[-1].endswith(QUALITY_COMMAND)
     assert all(f"{gain} at {n} labelled volume" in tail[-1] for n, gain in QUALITY_GAINS.items()), tail[-1]
 

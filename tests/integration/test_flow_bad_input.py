@@ -33,10 +33,12 @@ def test_bad_survey_entry_fails_with_one_line(tmp_path, metaflow_env, segy_dir, 
 
 @pytest.mark.timeout(300)
 def test_bad_job_settings_fail_in_start_before_any_ingest(tmp_path, metaflow_env, segy_dir):
-    """An unknown preset fails the run's first step in one line, not retried, nothing ingested."""
+    """An unknown preset, given by --set (issue 55: --set reaches the job, after the parameters: --preset tiny is
+    overridden), fails the run's first step in one line naming it, not retried, nothing ingested."""
     data_root = tmp_path / "data"
     result = run_flow(metaflow_env, cwd=str(tmp_path), data_root=str(data_root), surveys=str(segy_dir / "f3.sgy"),
-                      held_out=str(segy_dir / "Format1msb.sgy"), preset="gigantic")
+                      held_out=str(segy_dir / "Format1msb.sgy"), preset="tiny",
+                      set="train.lr=1e-3;model.preset=gigantic")
     assert result.status == "failed"
     output = result.stdout + result.stderr
     assert [line for line in output.splitlines() if "unknown model preset 'gigantic'" in line and "tiny" in line]

@@ -328,7 +328,7 @@ def test_codec_is_configurable(tmp_path, codec, via):
     amplitude = cases.volume((10, 9, 20), seed=2)
     src = str(cases.write(tmp_path / "c.sgy", amplitude))
     if via == "cli":
-        proc = subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", src, "--out", str(tmp_path / "root"),
+        proc = subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", src, "--data-root", str(tmp_path / "root"),
                                "--codec", codec], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         row = json.loads(proc.stdout.splitlines()[0])

@@ -69,7 +69,7 @@ def test_same_content_twice_is_a_no_op_that_says_so(backend, tmp_path, segy_dir)
 def test_sigkill_mid_file_leaves_no_row_and_the_rerun_matches(backend, tmp_path):  # noqa: F811
     amplitude = cases.volume((96, 96, 384), seed=7)  # 144 brick columns of 8 x 8 traces: time to kill it
     source = backend.source(cases.write(tmp_path / "kill.sgy", amplitude))
-    args = [source, "--out", backend.root, "--chunk", "8"]
+    args = [source, "--data-root", backend.root, "--chunk", "8"]
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the killed process cannot remove its download of an S3 source
     proc = sfm_ingest(*args, env=env)
     deadline = time.monotonic() + 180
@@ -102,7 +102,7 @@ def test_sigkill_mid_file_leaves_no_row_and_the_rerun_matches(backend, tmp_path)
 def test_concurrent_ingests_into_one_root_all_publish(backend, tmp_path):  # noqa: F811
     paths = [cases.write(tmp_path / f"c{k}.sgy", cases.volume((24, 24, 128), seed=10 + k)) for k in range(2)]
     sources = [backend.source(p) for p in paths]
-    procs = [sfm_ingest(src, "--out", backend.root, "--chunk", "8") for src in sources + sources[:1]]
+    procs = [sfm_ingest(src, "--data-root", backend.root, "--chunk", "8") for src in sources + sources[:1]]
     results = [p.communicate(timeout=240) for p in procs]
     assert all(p.returncode == 0 for p in procs), [r[1] for r in results]
     rows = [json.loads(out.splitlines()[0]) for out, _ in results]
@@ -116,7 +116,7 @@ def test_concurrent_ingests_into_one_root_all_publish(backend, tmp_path):  # noq
 def test_cli_prints_a_line_per_survey_and_an_error_per_bad_file(tmp_path, segy_dir):
     root = tmp_path / "root"
     proc = sfm_ingest(str(segy_dir / "small.sgy"), str(segy_dir / "broken.sgy"), str(segy_dir / "tiny.sgy"),
-                      "--out", str(root), "--dtype", "float16", "--chunk", "8")
+                      "--data-root", str(root), "--dtype", "float16", "--chunk", "8")
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 2
     lines = [json.loads(line) for line in out.splitlines()]
@@ -127,10 +127,11 @@ def test_cli_prints_a_line_per_survey_and_an_error_per_bad_file(tmp_path, segy_d
     assert any("broken.sgy is truncated" in line for line in errors), err
     assert "Traceback" not in err
     assert any(line.startswith("sfm ingest: 2 of 3 survey(s)") and "MB/s" in line for line in err.splitlines()), err
-    again = sfm_ingest(str(segy_dir / "small.sgy"), "--out", str(root))
+    again = sfm_ingest(str(segy_dir / "small.sgy"), "--data-root", str(root))
     out, err = again.communicate(timeout=240)
     assert again.returncode == 0 and json.loads(out)["status"] == "exists"
-    missing = sfm_ingest(str(tmp_path / "nope.sgy"), "--out", str(root), "--refuse-nonfinite", "--max-sparsity", "4")
+    missing = sfm_ingest(str(tmp_path / "nope.sgy"), "--data-root", str(root), "--refuse-nonfinite",
+                         "--max-sparsity", "4")
     out, err = missing.communicate(timeout=240)
     assert missing.returncode == 2 and err.strip().splitlines()[-1].startswith("sfm ingest: error:") and "does not exist" in err
     assert os.listdir(root / "manifest" / "rows") and len(manifest.read(str(root))) == 2

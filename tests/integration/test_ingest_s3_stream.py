@@ -81,8 +81,8 @@ def test_sfm_ingest_from_s3_uses_no_local_disk_and_equals_a_local_ingest(store_o
         before, peak, stop = used(), [0], threading.Event()
         watcher = threading.Thread(target=watch_peak, args=(used, stop, peak), daemon=True)
         watcher.start()
-        proc = subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", f"{bucket}/landing/stream.sgy", "--out", out,
-                               "--chunk", "32"], cwd=PROJECT, env=env, capture_output=True, text=True, timeout=500)
+        proc = subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", f"{bucket}/landing/stream.sgy", "--data-root",
+                               out, "--chunk", "32"], cwd=PROJECT, env=env, capture_output=True, text=True, timeout=500)
         stop.set()
         watcher.join()
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -46,18 +46,6 @@ batch_size = 4
 downstream = false
 """
 
-FINETUNE_FAST = """
-[train]
-threads_per_process = 1
-[finetune]
-steps = 4
-probe_steps = 2
-validate_every = 2
-batch_size = 2
-test_augment = false
-"""
-
-
 def outside_env(home: Path) -> dict[str, str]:
     """This process's environment without the checkout: no PYTHONPATH, no active venv, a Metaflow home
     and local datastore of the test's own."""
@@ -117,13 +105,15 @@ def test_installed_package_ingests_trains_runs_the_flow_and_loads_from_the_regis
 
     # sfm ingest of the real F3 crop (schema-validated store attributes and manifest row)
     root = work / "sfm_data"
-    timed("sfm ingest", [str(bin_ / "sfm"), "ingest", str(segy_dir / "f3.sgy"), "--out", str(root)], work, env, 300)
+    timed("sfm ingest", [str(bin_ / "sfm"), "ingest", str(segy_dir / "f3.sgy"), "--data-root", str(root)],
+          work, env, 300)
     (store,) = (root / "surveys").glob("*.zarr")
 
     # sfm train for a few steps on it (torchrun, one process)
     trained = timed("sfm train", [str(bin_ / "sfm"), "train", "--surveys", str(store), "--run-root",
-                                  str(work / "run"), "train.max_steps=3", "train.log_every=1", "train.warmup_steps=1",
-                                  "train.threads_per_process=1", "data.crop=[16,16,32]", "data.batch_size=2"],
+                                  str(work / "run"), "--set", "train.max_steps=3", "--set", "train.log_every=1;"
+                                  "train.warmup_steps=1;train.threads_per_process=1", "--set", "data.crop=[16,16,32]",
+                                  "--set", "data.batch_size=2"],
                     work, env, 600)
     summary = json.loads(trained.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 3 and Path(summary["model_url"], "model.safetensors").is_file()
@@ -142,8 +132,8 @@ def test_installed_package_ingests_trains_runs_the_flow_and_loads_from_the_regis
                  work, env, 1200)
     assert "registered sfm-mae v1" in flow.stdout + flow.stderr
 
-    loaded = timed("sfm registry load", [str(bin_ / "sfm"), "registry", "load", "--data-root", str(root),
-                                         "--version", "1", "--out", str(work / "model")], work, env, 300)
+    loaded = timed("sfm registry load", [str(bin_ / "sfm"), "registry", "load", "sfm-mae:v1", "--data-root",
+                                         str(root), "--out", str(work / "model")], work, env, 300)
     record = json.loads(loaded.stdout.strip().splitlines()[-1])
     assert record["version"] == 1 and record["parameters"] > 0
     assert (work / "model" / "model.safetensors").is_file()
@@ -151,18 +141,22 @@ def test_installed_package_ingests_trains_runs_the_flow_and_loads_from_the_regis
     # "Using the model" with the packaged flows: fine-tune the demo's encoder on a labelled survey, predict it
     timed("sfm synth", [str(bin_ / "sfm"), "synth", "labelled.sgy", "--shape", "40", "40", "64", "--seed", "7"],
           work, env, 120)
-    ingested = timed("sfm ingest (labelled)", [str(bin_ / "sfm"), "ingest", "labelled.sgy", "--out", str(root)],
+    ingested = timed("sfm ingest (labelled)", [str(bin_ / "sfm"), "ingest", "labelled.sgy", "--data-root", str(root)],
                      work, env, 300)
     labelled = json.loads(ingested.stdout.strip().splitlines()[-1])["store_url"]
-    (work / "finetune_fast.toml").write_text(FINETUNE_FAST)
-    tuned = timed("sfm flow finetune", [str(bin_ / "sfm"), "flow", "finetune", "--config", "config",
-                                        "finetune_fast.toml", "run", "--surveys", labelled, "--labels",
-                                        "labelled.faults.npy", "--held-out", "0.25", "--task-name", "faults"],
-                  work, env, 900)
+    fast = ["--set", "finetune.steps=4;finetune.probe_steps=2;finetune.validate_every=2", "--set",
+            "finetune.batch_size=2;finetune.test_augment=false;train.threads_per_process=1"]  # sfm flow joins them
+    tuned = timed("sfm flow finetune", [str(bin_ / "sfm"), "flow", "finetune", "run", "--surveys", labelled,
+                                        "--labels", "labelled.faults.npy", "--held-out", "0.25", "--task-name",
+                                        "faults", "--encoder", "sfm-mae:v1", *fast], work, env, 900)
     assert "registered sfm-faults v1" in tuned.stdout + tuned.stderr
+    shown = timed("sfm registry show", [str(bin_ / "sfm"), "registry", "show", "sfm-faults:latest"], work, env, 120)
+    record = json.loads(shown.stdout)
+    assert record["lineage"]["encoder"] == "sfm-mae:v1" and record["config"]["finetune"]["steps"] == 4  # --set
     timed("sfm flow predict", [str(bin_ / "sfm"), "flow", "predict", "run", "--model", "sfm-faults", "--survey",
-                               labelled, "--out", str(work / "faults.zarr")], work, env, 600)
+                               labelled, "--out", str(work / "faults.zarr"), "--set", "predict.overlap=0.25"],
+          work, env, 600)
     import zarr
 
-    probability = zarr.open_group(str(work / "faults.zarr"), mode="r")["probability"]
-    assert probability.shape == (40, 40, 64)
+    predicted = zarr.open_group(str(work / "faults.zarr"), mode="r")
+    assert predicted["probability"].shape == (40, 40, 64) and predicted.attrs["prediction"]["overlap"] == 0.25

@@ -34,8 +34,8 @@ def test_sfm_train_and_each_rank_parse_the_job_once(tmp_path, tmp_path_factory):
     env = counting_env(tmp_path / "count", PROJECT)
     proc = subprocess.run([sys.executable, "-m", "sfm.cli", "train", "--surveys", store, "--run-root",
                            str(tmp_path / "run"), "--procs-per-node", "2", "--main-port", str(free_port()),
-                           "train.max_steps=2", "train.warmup_steps=1", "train.threads_per_process=1",
-                           "data.batch_size=2", "data.crop=[32, 32, 32]"],
+                           "--set", "train.max_steps=2;train.warmup_steps=1;train.threads_per_process=1",
+                           "--set", "data.batch_size=2", "--set", "data.crop=[32, 32, 32]"],
                           cwd=PROJECT, env={**os.environ, **env}, capture_output=True, text=True,
                           timeout=380)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -181,7 +181,7 @@ def test_sfm_train_resolves_an_mdio_url_to_its_registration(registered, mdio_sto
     assert training_surveys(surveys=f"{url},{registered['holes'][1]['store_url']}", data_root=root) == [
         mdio_row["store_url"], registered["holes"][1]["store_url"]]
     with pytest.raises(SFMError, match=rf"^MDIO store {url} is not registered in {tmp_path}; register it first: "
-                                       rf"sfm ingest {url} --out {tmp_path}$"):
+                                       rf"sfm ingest {url} --data-root {tmp_path}$"):
         training_surveys(surveys=url, data_root=str(tmp_path))
     with pytest.raises(SFMError, match="int8.*is an MDIO store read in place"):
         crops_of([mdio_row["store_url"]], CROP, batch_dtype="int8")

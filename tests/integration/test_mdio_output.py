@@ -197,9 +197,9 @@ def test_bad_layout_settings_are_refused_in_one_line(setting, message):
 
 
 def test_cli_refuses_a_bad_layout_before_reading_any_file(tmp_path):
-    for flags, message in ((["--layout", "mdi0"], "ingest.layout = 'mdi0'"),
-                           (["--domain", "Depth"], "ingest.domain = 'Depth'")):
-        proc = subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", str(tmp_path / "missing.sgy"), "--out",
+    for flags, message in ((["--layout", "mdi0"], "argument --layout: invalid choice: 'mdi0'"),
+                           (["--domain", "Depth"], "argument --domain: invalid choice: 'Depth'")):
+        proc = subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", str(tmp_path / "missing.sgy"), "--data-root",
                                str(tmp_path / "root"), *flags], capture_output=True, text=True)
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()

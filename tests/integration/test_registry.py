@@ -165,18 +165,18 @@ def test_registry_cli_load_round_trips_the_weights(tmp_path):
         registry.register(root, MODEL, url, config={"i": i}, metrics={"masked_nmse": 0.5 - 0.1 * i},
                           lineage=lineage(f"r{i}"))
 
-    listed = [json.loads(line) for line in sfm_cli("registry", "list", "--data-root", root, "--model", MODEL)
+    listed = [json.loads(line) for line in sfm_cli("registry", "list", MODEL, "--data-root", root)
               .stdout.splitlines()]
     assert [(v["version"], v["champion"]) for v in listed] == [(1, False), (2, True)]
     listing = ("import sys; from sfm.cli import main; sys.argv = ['sfm', 'registry', 'list', '--data-root', sys.argv[1]]; "
                "main(); print('torch' in sys.modules)")  # reading records needs no torch: a quick listing
     proc = subprocess.run([sys.executable, "-c", listing, root], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "False", proc.stdout + proc.stderr
-    shown = json.loads(sfm_cli("registry", "show", "--data-root", root, "--model", MODEL).stdout)
+    shown = json.loads(sfm_cli("registry", "show", MODEL, "--data-root", root).stdout)
     assert shown["version"] == 2 and shown["champion"] is True
 
     out = tmp_path / "loaded"
-    proc = sfm_cli("registry", "load", "--data-root", root, "--model", MODEL, "--version", "v1", "--out", str(out))
+    proc = sfm_cli("registry", "load", f"{MODEL}:v1", "--data-root", root, "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["version"] == 1
     loaded = load(str(out)).state_dict()
@@ -186,17 +186,17 @@ def test_registry_cli_load_round_trips_the_weights(tmp_path):
     assert (out / "model.safetensors").read_bytes() == (Path(exports[0]) / "model.safetensors").read_bytes()
     assert torch.equal(registry.load(root, MODEL, "latest").state_dict()["cls_token"], originals[1].cls_token.detach())
 
-    proc = sfm_cli("registry", "promote", "--data-root", root, "--model", MODEL, "--version", "1")
+    proc = sfm_cli("registry", "promote", f"{MODEL}:1", "--data-root", root)
     assert proc.returncode == 0 and registry.champion_version(root, MODEL) == 1
 
     # damaged weights are refused with one line, not loaded
     weights = Path(registry.version_url(root, MODEL, 2)) / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
-    proc = sfm_cli("registry", "load", "--data-root", root, "--model", MODEL, "--version", "2")
+    proc = sfm_cli("registry", "load", f"{MODEL}:v2", "--data-root", root)
     assert proc.returncode == 2 and "does not match its registry record" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
-    for bad in (["--model", MODEL, "--version", "7"], ["--model", "../x"]):
-        proc = sfm_cli("registry", "show", "--data-root", root, *bad)
+    for bad in (f"{MODEL}:v7", "../x", "sfm-nothing"):
+        proc = sfm_cli("registry", "show", bad, "--data-root", root)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     with pytest.raises(SFMError, match="not a version"):
         registry.resolve(root, MODEL, "seven")

@@ -65,7 +65,7 @@ def test_plain_http_endpoint_off_loopback_is_refused_without_traffic(monkeypatch
 def test_cli_reports_an_insecure_endpoint_on_one_line(tmp_path):
     env = {**os.environ, "SFM_S3_ENDPOINT_URL": "http://10.20.30.40:9000"}
     env.pop("SFM_ALLOW_INSECURE_S3", None)
-    proc = subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", "s3://bucket/landing/a.sgy", "--out",
+    proc = subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", "s3://bucket/landing/a.sgy", "--data-root",
                            str(tmp_path / "data")], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "sfm ingest: error: S3 endpoint http://10.20.30.40:9000 is plain http" \

@@ -65,7 +65,7 @@ def test_sbatch_script_dry_run_on_two_fake_nodes(s3_env, tmp_path):
     script = tmp_path / "pretrain.sbatch"
     made = sfm_cli("slurm-script", "--config", str(P5EN), "--data-root", root, "--held-out", "tiny-1",
                    "--run-root", run_root, "--nodes", "2", "--time", "1-00:00:00", "--partition", "p5en",
-                   "--auto-resume", "--out", str(script), "train.max_steps=123", env=s3_env.env())
+                   "--auto-resume", "--out", str(script), "--set", "train.max_steps=123", env=s3_env.env())
     assert made.returncode == 0, made.stderr
     text = script.read_text()
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
@@ -110,9 +110,9 @@ def test_sfm_train_one_node_then_resume(tmp_path):
     run_root = str(tmp_path / "run")
     common = ["--data-root", root, "--run-root", run_root, "--nodes", "1", "--node-rank", "0",
               "--procs-per-node", "1", "--main-addr", "127.0.0.1", "--main-port", str(free_port()),
-              "data.batch_size=2", "train.checkpoint_every=2", "train.log_every=2", "train.warmup_steps=1",
-              "train.threads_per_process=1"]
-    first = sfm_cli("train", *common, "train.max_steps=4")
+              "--set", "data.batch_size=2;train.checkpoint_every=2;train.log_every=2;train.warmup_steps=1",
+              "--set", "train.threads_per_process=1"]
+    first = sfm_cli("train", *common, "--set", "train.max_steps=4")
     assert first.returncode == 0, first.stderr[-3000:]
     summary = json.loads(first.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 4 and summary["resumed_from_step"] == 0 and summary["world_size"] == 1
@@ -120,7 +120,7 @@ def test_sfm_train_one_node_then_resume(tmp_path):
     assert (Path(run_root) / "final" / "model.safetensors").is_file()
 
     # started again with the same run root (as a requeued Slurm job is): continues from step 4
-    again = sfm_cli("train", *common, "train.max_steps=6")
+    again = sfm_cli("train", *common, "--set", "train.max_steps=6")
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = json.loads(again.stdout.strip().splitlines()[-1])
     assert resumed["steps"] == 6 and resumed["resumed_from_step"] == 4

@@ -27,7 +27,7 @@ def test_an_unreachable_bucket_in_a_training_job_is_one_line_from_the_rank_and_t
     env = {**os.environ, **s3_server.env(), "SFM_S3_ENDPOINT_URL": DEAD.format(port=free_port())}
     proc = subprocess.run(
         [sys.executable, "-m", "sfm.cli", "train", "--surveys", "s3://no-bucket/surveys/0123456789abcdef.zarr",
-         "--run-root", str(tmp_path / "run"), "model.preset=tiny", "train.max_steps=2", "data.retry_seconds=1"],
+         "--run-root", str(tmp_path / "run"), "--set", "model.preset=tiny;train.max_steps=2;data.retry_seconds=1"],
         env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = user_error_lines(proc.stderr, "train")

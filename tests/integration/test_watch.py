@@ -276,13 +276,13 @@ def test_init_from_champion_resolves_and_a_wrong_architecture_is_refused(tmp_pat
     save(build_model(mae_config("tiny", crop=(32, 32, 32))), str(tmp_path / "export"))
     registry.register(root, MODEL, str(tmp_path / "export"), config=cfg.to_dict(), metrics={"masked_nmse": 1.0},
                       lineage={"run_pathspec": "x", "manifest_version": "m0", "code_version": "t", "surveys": []})
-    resolved = pipeline.resolve_init_from(JobConfig.from_toml(None, FAST), "champion", root)
+    resolved = pipeline.resolve_init_from(JobConfig.from_toml(None, FAST).override(init_from=f"{MODEL}:champion"), root)
     assert resolved.train.init_from == registry.version_url(root, MODEL, 1)
-    small = JobConfig.from_toml(None, [*FAST, "model.preset=small"])
+    small = JobConfig.from_toml(None, [*FAST, "model.preset=small"]).override(init_from=f"{MODEL}:v1")
     with pytest.raises(SFMError, match="differs from the job's model in .*embed_dim"):
-        pipeline.resolve_init_from(small, "v1", root)
+        pipeline.resolve_init_from(small, root)
     with pytest.raises(SFMError, match="no exported model"):
-        pipeline.resolve_init_from(JobConfig.from_toml(None, FAST), str(tmp_path / "nothing"), root)
+        pipeline.resolve_init_from(JobConfig.from_toml(None, FAST).override(init_from=str(tmp_path / "nothing")), root)
 
 
 def test_landing_names_with_commas_reach_the_flow_whole(tmp_path):

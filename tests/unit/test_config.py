@@ -44,16 +44,21 @@ def test_job_settings_are_validated_with_the_key_and_the_fix():
 
 
 def test_overrides_and_named_parameters_take_one_path():
-    """``section.key=value`` overrides, then the named parameters of the flows and the CLI (None: not given, the
-    config's value stays); a name that is not a parameter is a bug."""
+    """The named parameters of the flows and the CLI (None: not given, the config's value stays), then the
+    ``section.key=value`` items of ``--set`` (several in one, separated by ';'), which win; a name that is not a
+    parameter is a bug."""
     from sfm.config import PARAMETERS, JobConfig
 
-    cfg = JobConfig.from_dict({"dist": {"nodes": 4}}).override(["train.max_steps=9", "dist.cp=2"], cp=1, nodes=None,
-                                                                 preset="mini", ingest_parts=3)
-    assert (cfg.train.max_steps, cfg.dist.cp, cfg.dist.nodes, cfg.model.preset, cfg.ingest.parts) == (9, 1, 4, "mini", 3)
+    cfg = JobConfig.from_dict({"dist": {"nodes": 4}}).override(["train.max_steps=9", "dist.cp=2;data.crop=[8,8,16]"],
+                                                                 cp=1, nodes=None, preset="mini", ingest_parts=3)
+    assert (cfg.train.max_steps, cfg.dist.cp, cfg.dist.nodes, cfg.model.preset, cfg.ingest.parts) == \
+        (9, 2, 4, "mini", 3)
+    assert cfg.data.crop == (8, 8, 16)
+    assert JobConfig().override("train.max_steps=9; ;dist.cp=2").to_dict() == \
+        JobConfig().override(["train.max_steps=9", "dist.cp=2"]).to_dict()  # a flow's one string
     assert JobConfig.from_toml(None, ["train.max_steps=9"]).to_dict() == JobConfig().override(["train.max_steps=9"]).to_dict()
     assert all(JobConfig().override(**{name: None}).to_dict() == JobConfig().to_dict() for name in PARAMETERS)
-    with pytest.raises(SFMError, match="override 'train.max_steps' must look like section.key=value"):
+    with pytest.raises(SFMError, match="--set 'train.max_steps' must look like section.key=value"):
         JobConfig().override(["train.max_steps"])
     with pytest.raises(TypeError, match="max_stepz is not a job parameter"):
         JobConfig().override(max_stepz=3)

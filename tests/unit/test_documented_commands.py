@@ -190,6 +190,7 @@ class Option:
     convert: Callable[[str], Any] | None = None  # raises on a value not of its type
     kind: str = ""  # that type's name: int, float, bool
     check: Callable[[list[str]], str | None] | None = None  # a problem with the values, or None
+    repeatable: bool = False  # may be given more than once (argparse's append, click's multiple)
 
 
 @dataclass
@@ -217,6 +218,8 @@ def _argparse_nargs(action: argparse.Action) -> int:
 def argparse_table(parser: argparse.ArgumentParser, name: str) -> Table:
     table = Table(name)
     for action in parser._actions:
+        if action.help == argparse.SUPPRESS:
+            continue  # an old spelling, kept for one release: the documentation must not use it
         if isinstance(action, argparse._HelpAction):
             table.options.update({flag: Option(flag, "help", 0) for flag in action.option_strings})
             continue
@@ -232,7 +235,8 @@ def argparse_table(parser: argparse.ArgumentParser, name: str) -> Table:
         convert = action.type if action.type in (int, float) else None
         for flag in action.option_strings:
             table.options[flag] = Option(flag, action.dest, _argparse_nargs(action), choices, convert,
-                                         convert.__name__ if convert else "")
+                                         convert.__name__ if convert else "",
+                                         repeatable=isinstance(action, (argparse._AppendAction, argparse._CountAction)))
         if action.required:
             table.required[action.dest] = max(action.option_strings, key=len)
     return table
@@ -246,7 +250,8 @@ def _click_option(param: click.Option, table: Table) -> None:
     convert = (lambda value: param.type.convert(value, param, None)) if kind else None
     for flag in param.opts + param.secondary_opts:
         if flag.startswith("-"):
-            table.options[flag] = Option(flag, param.name, nargs if flag in param.opts else 0, choices, convert, kind)
+            table.options[flag] = Option(flag, param.name, nargs if flag in param.opts else 0, choices, convert, kind,
+                                         repeatable=bool(param.multiple or param.count))
     if param.required:
         table.required[param.name] = max(param.opts, key=len)
 
@@ -289,9 +294,10 @@ def flow_parameter_option(param) -> click.Option:
     return click.Option(("--" + param.name,), type=kind, required=bool(given.get("required")))
 
 
-def flow_table(path: Path) -> Table:
+def flow_table(path: Path, joined_set: bool = False) -> Table:
     """``python flows/X.py [top-level options] SUBCOMMAND ...``: Metaflow's click command with this flow's
-    configs, decorators' options and, for ``run``, its parameters."""
+    configs, decorators' options and, for ``run``, its parameters (``joined_set``: under ``sfm flow``, which
+    joins a repeated ``--set``)."""
     import metaflow.cli
     from metaflow.decorators import flow_decorators
 
@@ -320,6 +326,8 @@ def flow_table(path: Path) -> Table:
         for p in params:
             if not p.IS_CONFIG_PARAMETER:
                 _click_option(flow_parameter_option(p), run_table)
+        if joined_set and "--set" in run_table.options:
+            run_table.options["--set"].repeatable = True
         return run_table
 
     table.subcommands = {**subcommands, "run": run}
@@ -387,6 +395,9 @@ def check_command(tokens: list[str], table: Table, strict: bool = True) -> list[
                 problems.append(f"{table.name}: no such option {flag}")
                 i += 1
                 continue
+            if opt.dest in given and not opt.repeatable and strict:
+                problems.append(f"{table.name}: {flag} is given twice, and the parser keeps only the last (a flow's "
+                                "--set takes several keys in one, separated by ';')")
             given.add(opt.dest)
             if opt.nargs == 0:
                 if eq:
@@ -443,7 +454,8 @@ def problems_of(command: Command) -> list[str]:
         problems = check_command(args[:at + 2], sfm_table(), command.strict)
         if problems or not name or _placeholder(name) or "|" in name:
             return problems
-        return check_command(args[at + 2:], flow_table(PACKAGED_FLOWS / f"{name}_flow.py"), command.strict)
+        return check_command(args[at + 2:], flow_table(PACKAGED_FLOWS / f"{name}_flow.py", joined_set=True),
+                             command.strict)
     path = PROJECT / program.removeprefix("./")
     if _placeholder(path.stem.removesuffix("_flow")):
         return []  # python flows/NAME_flow.py: any flow
@@ -498,7 +510,8 @@ def test_the_cli_reference_names_every_subcommand_and_flag():
         lines = [e for e in entries if [t for t in (_strip(t) for t in e[1:]) if t and not _is_option(t)][:1] == [name]]
         flags = {f for e in lines for t in e for f in re.findall(r"--[\w-]+", t)}
         words = {w for e in lines for t in e for w in _strip(t).split("|")}
-        wanted = [f for a in sub._actions for f in a.option_strings if f.startswith("--") and f != "--help"]
+        wanted = [f for a in sub._actions for f in a.option_strings if f.startswith("--") and f != "--help"
+                  and a.help != argparse.SUPPRESS]
         choices = [str(c) for a in sub._actions if not a.option_strings and a.choices for c in a.choices]
         absent = [f for f in wanted if f not in flags] + [c for c in choices if c not in words]
         if not lines or absent:
@@ -557,7 +570,10 @@ def test_the_checker_knows_what_the_parsers_know():
         "sfm predict --model m --survey s --out o --parts many": "takes an int value",
         "sfm registry lst": "'lst' is not one of",
         "sfm trian --run-root r": "no subcommand 'trian'",
-        "sfm ingest a.sgy": "--out is missing",
+        "sfm ingest-labels labels.npy": "--survey is missing",
+        "sfm ingest a.sgy --out sfm_data": "no such option --out",  # the old spelling, not to be documented
+        "sfm registry show --model sfm-mae --version 3": "no such option --model",
+        "python flows/pretrain_flow.py run --set train.lr=1e-3 --set data.batch_size=4": "--set is given twice",
         "sfm train --run-root r --dry-run=yes": "takes no value",
         "python flows/pretrain_flow.py --config my.toml run": "--config takes NAME FILE",
         "python flows/pretrain_flow.py run --max-steps": "takes 1 value(s)",
@@ -575,7 +591,10 @@ def test_the_checker_knows_what_the_parsers_know():
     for text, expected in cases.items():
         problems = problems_of(as_command(text))
         assert any(expected in p for p in problems), (text, problems)
-    fine = ["sfm registry list|show|promote|load [--data-root DATA_ROOT] [--model NAME]",
+    fine = ["sfm registry list|show|promote|load [MODEL] [--data-root DATA_ROOT]",
+            "sfm train --run-root r --set train.lr=1e-3 --set data.batch_size=4",
+            "sfm flow pretrain run --set train.lr=1e-3 --set data.batch_size=4",
+            "python flows/pretrain_flow.py run --set 'train.lr=1e-3;data.batch_size=4'",
             "sfm train (--data-root ROOT [--held-out NAMES] | --surveys STORES) --run-root URL [--nodes N]",
             "python flows/pretrain_flow.py --config config sfm/configs/hyperpod_p5en.toml --with kubernetes run --nodes 2",
             "python flows/pretrain_flow.py --datastore s3 argo-workflows create --only-json",

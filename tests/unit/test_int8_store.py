@@ -151,7 +151,7 @@ def test_a_bad_dtype_is_one_line_naming_the_choices():
     assert all(dtype in message for dtype in INGEST_DTYPES)
     from sfm.cli import build_parser
 
-    args = build_parser().parse_args(["ingest", "a.sgy", "--out", "root", "--dtype", "int8"])
+    args = build_parser().parse_args(["ingest", "a.sgy", "--data-root", "root", "--dtype", "int8"])
     assert args.dtype == "int8"
 
 

@@ -148,10 +148,12 @@ def test_the_cli_ingests_labels_and_refuses_a_mismatch_in_one_line(survey, tmp_p
     _, _, row, faults = survey
     root = fresh_root(row, tmp_path)
     write_segy(tmp_path / "bad.sgy", faults.astype(np.float32), SegyOptions(first_crossline=290))
-    assert main(["ingest-labels", str(tmp_path / "bad.sgy"), "--survey", row["survey_id"], "--out", str(root)]) == 2
+    assert main(["ingest-labels", str(tmp_path / "bad.sgy"), "--survey", row["survey_id"],
+                 "--data-root", str(root)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"sfm ingest-labels: error: label file {tmp_path / 'bad.sgy'}: ") and "\n" not in err
     np.save(tmp_path / "ok.npy", faults)
-    assert main(["ingest-labels", str(tmp_path / "ok.npy"), "--survey", row["survey_id"], "--out", str(root)]) == 0
+    assert main(["ingest-labels", str(tmp_path / "ok.npy"), "--survey", row["survey_id"],
+                 "--data-root", str(root)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["status"] == "ingested" and published_labels(str(root)) == [out["label_id"]]

@@ -20,7 +20,7 @@ def run_ingest(tmp_path, **env):
     base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "SFM_S3_ENDPOINT_URL"}
     base.update(AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
                 AWS_MAX_ATTEMPTS="1", AWS_EC2_METADATA_DISABLED="true", **env)
-    return subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", "s3://bucket/landing/a.sgy", "--out",
+    return subprocess.run([sys.executable, "-m", "sfm.cli", "ingest", "s3://bucket/landing/a.sgy", "--data-root",
                            str(tmp_path / "out")], cwd=PROJECT, env=base, capture_output=True, text=True, timeout=120)
 
 
