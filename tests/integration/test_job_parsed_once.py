@@ -23,7 +23,7 @@ def kind_of(argv: list[str]) -> str:
         return "launcher"
     if argv and argv[0].endswith(("sfm/train/trainer.py", "sfm/finetune/job.py")):
         return "rank"
-    if argv and argv[0].endswith("sfm/cli.py"):
+    if argv and argv[0].endswith(("sfm/cli/__main__.py", "sfm/cli/__init__.py")):
         return "cli"
     return text
 

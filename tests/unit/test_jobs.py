@@ -15,7 +15,8 @@ PROJECT = Path(__file__).resolve().parents[2]
 # every place a config is parsed (JobConfig.from_dict / from_toml), each a process's entry or its one parse
 ENTRIES = {
     "sfm/config.py": {"JobConfig.from_toml"},  # the TOML file, through from_dict
-    "sfm/cli.py": {"_job_config", "_cmd_predict"},  # sfm train, sfm slurm-script; sfm predict
+    "sfm/cli/run_commands.py": {"_job_config"},  # sfm train, sfm slurm-script
+    "sfm/cli/model_commands.py": {"_cmd_predict"},  # sfm predict
     "sfm/distributed/job.py": {"TrainJob.from_dict"},  # a pretraining rank's job file
     "sfm/finetune/job.py": {"FinetuneJob.from_dict"},  # a fine-tuning rank's job file
     "sfm/ops/cluster.py": {"_parsed"},  # a flow task's config (job_of: config expressions and start), cached
