@@ -35,6 +35,9 @@ _GLOSSARY = [
                                                "{n} labelled volume(s))"),
     (r"ap", "average precision of the held-out labels"),
     (r"f1", "F1 at the chosen threshold, held-out labels"),
+    (r"f1_tol2", "fault F1 with a 2-voxel tolerance at the chosen threshold (a predicted fault within 2 voxels of "
+                 "a labelled one counts as right, a labelled one within 2 voxels of a prediction as found), "
+                 "held-out labels"),
     (r"iou", "intersection over union at the chosen threshold, held-out labels"),
     (r"accuracy", "voxel accuracy, held-out labels"),
     (r"threshold", "the probability threshold F1 and IoU use"),

@@ -21,62 +21,6 @@ from sfm.model.segmenter import Segmenter
 
 pytestmark = pytest.mark.long(1)
 
-# ---- scores ---------------------------------------------------------------------------------------
-
-
-def brute_force_ap(scores: np.ndarray, labels: np.ndarray) -> float:
-    """AP straight from its definition: for every distinct threshold (high to low), the recall gained
-    times the precision there."""
-    ap, last_recall = 0.0, 0.0
-    for t in sorted(set(scores.tolist()), reverse=True):
-        pred = scores >= t
-        tp = np.sum(pred & labels)
-        recall, precision = tp / labels.sum(), tp / pred.sum()
-        ap += (recall - last_recall) * precision
-        last_recall = recall
-    return float(ap)
-
-
-def test_average_precision_follows_its_definition_with_ties():
-    rng = np.random.default_rng(0)
-    for _ in range(5):
-        labels = rng.random(300) < 0.2
-        scores = np.round(rng.random(300) + 0.5 * labels, 1)  # coarse: many ties
-        assert fault_scores.average_precision(scores, labels) == pytest.approx(brute_force_ap(scores, labels), abs=1e-12)
-    labels = np.array([1, 0, 1, 0, 0], bool)
-    assert fault_scores.average_precision(np.array([5, 4, 3, 2, 1.0]), labels) == pytest.approx((1 + 2 / 3) / 2)
-    assert fault_scores.average_precision(labels * 1.0, labels) == 1.0  # perfect ranking
-    assert fault_scores.average_precision(np.zeros(5), labels) == pytest.approx(0.4)  # no ranking: the prevalence
-
-
-def test_float32_scores_rank_as_their_float64_values_do():
-    """The evaluation's float32 predictions take a packed-key sort: it must give the same AP and threshold
-    as the general path, with negative scores, ties, and -0.0 tied with 0.0."""
-    rng = np.random.default_rng(2)
-    for _ in range(10):
-        labels = rng.random(400) < 0.2
-        scores = np.round(rng.standard_normal(400) + 0.7 * labels, 1).astype(np.float32)
-        scores[:6], scores[6:12] = -0.0, 0.0
-        wide = scores.astype(np.float64)
-        assert fault_scores.average_precision(scores, labels) == fault_scores.average_precision(wide, labels)
-        assert fault_scores.average_precision(scores, labels) == pytest.approx(brute_force_ap(wide, labels), abs=1e-12)
-        assert fault_scores.best_threshold(scores, labels) == fault_scores.best_threshold(wide, labels)
-    s, y, last = fault_scores.ranked(np.array([0.5, -0.0, 2.0, 0.0, -1.0], np.float32), np.array([1, 0, 1, 1, 0]))
-    assert s.tolist() == [2.0, 0.5, 0.0, 0.0, -1.0] and last.tolist() == [0, 1, 3, 4]
-    assert sorted(y[2:4].tolist()) == [False, True] and y[[0, 1, 4]].tolist() == [True, True, False]
-
-
-def test_best_threshold_maximises_f1():
-    rng = np.random.default_rng(1)
-    labels = rng.random(400) < 0.3
-    scores = rng.random(400) + 0.4 * labels
-    t = fault_scores.best_threshold(scores, labels)
-    best = max(fault_scores.f1_iou(scores >= c, labels)[0] for c in scores)
-    assert fault_scores.f1_iou(scores >= t, labels)[0] == pytest.approx(best)
-    f1, iou = fault_scores.f1_iou(np.array([1, 1, 0, 0], bool), np.array([1, 0, 1, 0], bool))
-    assert (f1, iou) == (pytest.approx(0.5), pytest.approx(1 / 3))
-
-
 def test_tiles_cover_every_voxel_and_predictions_average_overlaps():
     assert volume_predict.tile_origins(64, 32) == [0, 32]
     assert volume_predict.tile_origins(70, 32) == [0, 32, 38]
