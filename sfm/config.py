@@ -269,9 +269,73 @@ class ClusterConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """The one fine-tuning recipe (sfm.finetune.loop): the fine-tune flow's ``[finetune]`` (flows/finetune_flow.py,
+    sfm.finetune) and, as ``[eval.finetune]``, the pretrain evaluation's (sfm.eval.downstream). LP-FT, layer decay,
+    early stopping, augmentation; every arm's peak rate chosen on the validation labels from its grid; steps that
+    grow with the labels, within a time budget; predictions scored through sfm predict's windows."""
+
+    steps: int = 0  # fine-tuning steps per run; 0: base_steps x sqrt(labelled volumes), early stopping keeps the best
+    base_steps: int = 200  # with steps = 0: the steps of one labelled volume (LABELLED_VOLUME voxels of labels)
+    max_minutes: float = 60.0  # training time of a whole fine-tuning, shared equally by its runs (arms x seeds x
+    # rates); a run whose steps would not fit is cut to what fits, measured at its validation points; 0: no limit
+    batch_size: int = 4  # per rank
+    lrs: tuple[float, ...] = (1e-3, 3e-3)  # peak rates tried for a pretrained encoder's arm (the head's; encoder
+    # layer k of d: lr * layer_decay^(d + 1 - k)): each run trains at every one, the best on the validation labels kept
+    lrs_random: tuple[float, ...] = (1e-3, 3e-3)  # the same for the random-init arm (--encoder random)
+    lrs_unet: tuple[float, ...] = (1e-3, 3e-3)  # the same for the U-Net from scratch (--encoder unet)
+    layer_decay: float = 0.75
+    weight_decay: float = 0.05
+    warmup_fraction: float = 0.1
+    linear_first: bool = True  # LP-FT: probe_steps of the head alone on the frozen encoder first, at probe_lr
+    probe_steps: int = 50
+    probe_lr: float = 1e-2
+    validate_every: int = 25  # steps between validation scores (early stopping, the time budget's checks)
+    validation: float = 0.25  # early stopping on this fraction of the training labelled lines (0: none); without it
+    # a run keeps its last step and the first rate of its grid
+    held_out: float = 0.2  # without --held-out surveys: this fraction of the labelled lines is held out to score
+    head: str = "linear"  # a head of sfm.model.segmenter.HEADS: linear (per token), unetr (light decoder over
+    # several blocks; BENCHMARKS.md "Fine-tuning"); --encoder unet always takes the U-Net
+    head_width: int = 16  # the unetr decoder's channels
+    overlap: float = 0.5  # predictions (early stopping, held-out scores, and sfm predict's default for the model):
+    # neighbouring windows overlap by this fraction of a crop, Gaussian-weighted
+    mirror: bool = False  # ... and each window also seen flipped (and swapped), averaged (4-8x the work)
+    seed: int = 0  # crops, their augmentation, the head's (and a random encoder's) initialisation; the first seed
+    seeds: int = 1  # paired seeds seed, seed + 1, ...: each arm once per seed, on that seed's crops
+    augment: str = ",".join(AUGMENTATIONS)  # data.augment of the fine-tuning crops
+
+    def check(self, section: str = "finetune") -> None:
+        """Every setting valid, or SFMError naming it (``section``.key) and the fix. Whether ``head`` names a head
+        is the model layer's to say, where a job starts (sfm.finetune.run)."""
+        at_least(section, self, {"steps": 0, "base_steps": 1, "batch_size": 1, "validate_every": 1, "probe_steps": 0,
+                                 "head_width": 1, "seeds": 1, "max_minutes": 0},
+                 {"steps": " (0: base_steps x sqrt(labelled volumes))", "max_minutes": " (0: no time limit)"})
+        for key in ("lrs", "lrs_random", "lrs_unet"):
+            rates = getattr(self, key)
+            if not rates or any(not r > 0 for r in rates):
+                raise SFMError(f"{section}.{key} = {list(rates)} must be one or more positive peak rates, e.g. "
+                               "[1e-3, 3e-3]")
+        if not self.probe_lr > 0:
+            raise SFMError(f"{section}.probe_lr = {self.probe_lr} must be > 0")
+        fraction_in(f"{section}.validation", self.validation, "[)", "the labelled lines early stopping scores")
+        fraction_in(f"{section}.held_out", self.held_out, "()", "the labelled lines held out to score the model")
+        fraction_in(f"{section}.overlap", self.overlap, "[)", "of a crop, between neighbouring windows")
+
+
+LABELLED_VOLUME = 64 ** 3  # voxels of labels that count as one labelled volume where steps scale with the labels
+
+
+def quick_recipe() -> FinetuneConfig:
+    """The pretrain evaluation's default recipe (``[eval.finetune]``): it runs in every pretraining run, so it is a
+    quick check, 60 steps at one rate per arm; configs/quality_cpu.toml sets a full one."""
+    return FinetuneConfig(steps=60, lrs=(1e-3,), lrs_random=(1e-3,), lrs_unet=(1e-3,), max_minutes=0.0)
+
+
+@dataclass
 class EvalConfig:
     """Held-out reconstruction (``crops``) and the downstream evaluation (sfm.eval.downstream): the encoder
-    fine-tuned for fault segmentation against random initialisation at each label budget."""
+    fine-tuned for fault segmentation against random initialisation at each label budget, on generated labelled
+    volumes, with the recipe ``finetune`` (``[eval.finetune]``: a FinetuneConfig)."""
 
     crops: int = 16
     batch_size: int = 8
@@ -283,67 +347,19 @@ class EvalConfig:
     # a run evaluates, the same pool_volumes give every budget the same draws: flow and benchmark agree)
     test_volumes: int = 4  # held-out labelled volumes, seeds disjoint from the labelled pool's
     volume: tuple[int, int, int] = (64, 64, 64)  # labelled volume shape (IL, XL, NS)
-    finetune_steps: int = 60
-    finetune_batch: int = 4
-    finetune_lr: float = 1e-3  # the head's; encoder layer k of d learns at lr * layer_decay^(d + 1 - k)
-    layer_decay: float = 0.75
-    finetune_lr_random: float = 0.0  # the random-init arm's own peak lr (0: finetune_lr): a baseline at the
-    # pretrained encoder's lr is under-trained (MAE tunes its from-scratch baselines separately)
     probes: bool = True  # frozen linear-head and kNN probes too
     knn: int = 16  # neighbours of the kNN probe
-    validation: float = 0.25  # early stopping on this fraction of each labelled volume's inlines (0: none)
-    validate_every: int = 25  # fine-tuning steps between validation scores
     validation_volumes: int = 0  # early stopping on this many separate labelled volumes, the whole budget
-    # fine-tuned (seeds disjoint from pool and test); 0: on the ``validation`` fraction of each budget volume
-    test_augment: bool = True  # fine-tuned networks score the test volumes with sliding windows every half
-    # crop and the 8 inline/crossline mirrorings averaged (nnU-Net's inference); early stopping scores plainly
+    # fine-tuned (seeds disjoint from pool and test); 0: on [eval.finetune] validation of each budget volume
+    finetune: FinetuneConfig = field(default_factory=quick_recipe)  # the fine-tuning recipe ([eval.finetune])
 
     def check(self) -> None:
         """Every setting valid, or SFMError naming it and the fix."""
-        at_least("eval", self, {"crops": 1, "seeds": 1, "test_volumes": 1, "finetune_steps": 1, "finetune_batch": 1,
-                                 "validate_every": 1, "pool_volumes": 0, "validation_volumes": 0,
-                                 "finetune_lr_random": 0})
+        at_least("eval", self, {"crops": 1, "seeds": 1, "test_volumes": 1, "pool_volumes": 0,
+                                 "validation_volumes": 0})
         if any(b < 1 for b in self.budgets):
             raise SFMError(f"eval.budgets = {list(self.budgets)} must be positive numbers of labelled volumes")
-        if not self.finetune_lr > 0:
-            raise SFMError(f"eval.finetune_lr = {self.finetune_lr} must be > 0")
-        fraction_in("eval.validation", self.validation, "[)",
-                  "the held-out fraction of each labelled volume; 0: no early stopping")
-
-
-@dataclass
-class FinetuneConfig:
-    """The fine-tune flow (flows/finetune_flow.py, sfm.finetune): the downstream evaluation's recipe on labelled
-    surveys (LP-FT, layer decay, early stopping, augmentation); defaults are the evaluation's."""
-
-    steps: int = EvalConfig.finetune_steps
-    batch_size: int = EvalConfig.finetune_batch  # per rank
-    lr: float = EvalConfig.finetune_lr  # the head's peak lr; encoder layer k of d: lr * layer_decay^(d + 1 - k)
-    lr_random: float = EvalConfig.finetune_lr_random  # --encoder random's own peak lr (0: lr)
-    layer_decay: float = EvalConfig.layer_decay
-    weight_decay: float = 0.05
-    warmup_fraction: float = 0.1
-    linear_first: bool = True  # LP-FT: probe_steps of the head alone on the frozen encoder first, at probe_lr
-    probe_steps: int = 50
-    probe_lr: float = 1e-2
-    validate_every: int = EvalConfig.validate_every
-    validation: float = EvalConfig.validation  # early stopping on this fraction of the training labelled lines
-    held_out: float = 0.2  # without --held-out surveys: this fraction of the labelled lines is held out to score
-    head: str = "linear"  # linear (per token) | unetr (light decoder over several blocks; BENCHMARKS.md)
-    head_width: int = 16  # the unetr decoder's channels
-    test_augment: bool = EvalConfig.test_augment  # held-out predictions: sliding windows and mirrorings
-    seed: int = 0  # crops, their augmentation, the head's (and a random encoder's) initialisation
-    augment: str = ",".join(AUGMENTATIONS)  # data.augment of the fine-tuning crops
-
-    def check(self) -> None:
-        """Every setting valid, or SFMError naming it and the fix."""
-        at_least("finetune", self, {"steps": 1, "batch_size": 1, "validate_every": 1, "probe_steps": 0,
-                                     "head_width": 1, "lr_random": 0})
-        if not (self.lr > 0 and self.probe_lr > 0):
-            raise SFMError(f"finetune.lr = {self.lr} and finetune.probe_lr = {self.probe_lr} must be > 0")
-        fraction_in("finetune.validation", self.validation, "[)", "the labelled lines early stopping scores")
-        fraction_in("finetune.held_out", self.held_out, "()", "the labelled lines held out to score the model")
-        one_of("finetune.head", self.head, ("linear", "unetr"))
+        self.finetune.check("eval.finetune")
 
 
 @dataclass
@@ -480,14 +496,18 @@ class JobConfig:
                            "node); choose a cp that divides it")
 
     def set(self, dotted: str, value: Any) -> None:
+        """Set ``section.key`` (or ``section.table.key`` in a nested table, e.g. ``eval.finetune.steps``; a whole
+        table from a dict) to ``value``, coerced to the field's type. A key renamed since (:data:`RENAMED`) is
+        read as its new name."""
+        if dotted in RENAMED:
+            dotted, value = RENAMED[dotted](value)
+            if dotted is None:
+                return
         section_name, _, key = dotted.partition(".")
         section = getattr(self, section_name, None)
         if section is None or not dataclasses.is_dataclass(section):
             raise SFMError(f"unknown config key '{dotted}'; sections are {', '.join(_section_names())}")
-        hints = field_types(type(section))
-        if key not in hints:
-            raise SFMError(f"unknown config key '{dotted}'; valid keys in [{section_name}]: {', '.join(hints)}")
-        setattr(section, key, coerce(dotted, hints[key], value))
+        _set_key(section, section_name, key, value)
 
     # ---- output -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -501,11 +521,51 @@ class JobConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
+def _set_key(section: Any, prefix: str, key: str, value: Any) -> None:
+    """``section``'s field ``key`` (``table.key`` for a nested section) = ``value``; ``prefix`` names it in errors."""
+    name, _, rest = key.partition(".")
+    hints = field_types(type(section))
+    if name not in hints:
+        raise SFMError(f"unknown config key '{prefix}.{key}'; valid keys in [{prefix}]: {', '.join(hints)}")
+    if dataclasses.is_dataclass(hints[name]):  # a nested table, e.g. [eval.finetune]
+        table = getattr(section, name)
+        if rest:
+            _set_key(table, f"{prefix}.{name}", rest, value)
+        elif isinstance(value, dict):
+            for inner, v in value.items():
+                _set_key(table, f"{prefix}.{name}", inner, v)
+        else:
+            raise SFMError(f"config key '{prefix}.{name}' is a table ([{prefix}.{name}]); set its keys, e.g. "
+                           f"{prefix}.{name}.steps=100")
+        return
+    if rest:
+        raise SFMError(f"unknown config key '{prefix}.{key}'; '{prefix}.{name}' is not a table")
+    setattr(section, name, coerce(f"{prefix}.{name}", hints[name], value))
+
+
+def _renamed(new: str, drop_zero: bool = False):
+    return lambda value: (None, None) if drop_zero and not value else (new, value)
+
+
+# keys of configs written before issue 54 (a registered version's record, a user's file), read as what replaced
+# them: the evaluation's recipe is now a FinetuneConfig ([eval.finetune]); a peak rate, a grid of rates (a rate of
+# 0, "the pretrained arm's", is left to the default grid); test-time augmentation, mirroring
+RENAMED = {
+    "eval.finetune_steps": _renamed("eval.finetune.steps"), "eval.finetune_batch": _renamed("eval.finetune.batch_size"),
+    "eval.finetune_lr": _renamed("eval.finetune.lrs"),
+    "eval.finetune_lr_random": _renamed("eval.finetune.lrs_random", drop_zero=True),
+    "eval.layer_decay": _renamed("eval.finetune.layer_decay"), "eval.validation": _renamed("eval.finetune.validation"),
+    "eval.validate_every": _renamed("eval.finetune.validate_every"),
+    "eval.test_augment": _renamed("eval.finetune.mirror"), "finetune.lr": _renamed("finetune.lrs"),
+    "finetune.lr_random": _renamed("finetune.lrs_random", drop_zero=True),
+    "finetune.test_augment": _renamed("finetune.mirror"),
+}
+
 # the flows' and the CLI's named parameters (``--max-steps``: max_steps), each the config key it sets
 PARAMETERS = {"preset": "model.preset", "max_steps": "train.max_steps", "nodes": "dist.nodes",
               "procs_per_node": "dist.procs_per_node", "cp": "dist.cp", "strategy": "dist.strategy",
               "launcher": "dist.launcher", "accelerate_config": "dist.accelerate_config",
-              "ingest_parts": "ingest.parts", "seed": "finetune.seed"}
+              "ingest_parts": "ingest.parts", "seed": "finetune.seed", "seeds": "finetune.seeds"}
 
 
 def _section_names() -> list[str]:

@@ -14,12 +14,21 @@ from sfm.errors import SFMError
 
 
 def toml_text(config: dict[str, Any]) -> str:
-    """A job config dict ({section: {key: value}}) as TOML; None values are left out (the defaults)."""
-    lines = []
-    for section, values in config.items():
-        lines.append(f"[{section}]")
-        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items() if value is not None]
+    """A job config dict ({section: {key: value}}; a dict value is a nested table, [section.key]) as TOML; None
+    values are left out (the defaults)."""
+    lines: list[str] = []
+
+    def table(name: str, values: dict[str, Any]) -> None:
+        lines.append(f"[{name}]")
+        lines.extend(f"{key} = {json.dumps(value)}" for key, value in values.items()
+                     if value is not None and not isinstance(value, dict))
         lines.append("")
+        for key, value in values.items():
+            if isinstance(value, dict):
+                table(f"{name}.{key}", value)
+
+    for section, values in config.items():
+        table(section, values)
     return "\n".join(lines)
 
 

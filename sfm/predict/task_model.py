@@ -1,4 +1,5 @@
-"""The task model a prediction runs: found by name in the registry or at a URL, and run on batches of windows.
+"""The task model a prediction runs: found by name in the registry or at a URL (its windows run through
+:func:`sfm.predict.windows.window_probabilities`).
 
 ``--model`` is ``NAME`` (its champion), ``NAME:vN`` / ``NAME:N`` / ``NAME:latest`` / ``NAME:champion``, a registry
 version of ``<data-root>/registry/NAME/``; or the URL of an exported task model folder (local or s3://,
@@ -10,13 +11,10 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Sequence
 
-import numpy as np
 import torch
 
 from sfm.errors import SFMError
-from sfm.predict.windows import View, mirror
 
 _NAME_AND_VERSION = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,99})(:(?P<version>[A-Za-z0-9]+))?$")
 
@@ -78,19 +76,3 @@ def load_task_model(spec: str, data_root: str, device: str = "cpu") -> TaskModel
         url = registry.version_url(data_root, name, version)
     net = segmenter_from_files(files[CONFIG], files[WEIGHTS], spec)
     return TaskModel(net.to(device).eval(), name, version, url, hashlib.sha256(files[WEIGHTS]).hexdigest())
-
-
-def window_probabilities(model: TaskModel, imgs: np.ndarray, views: Sequence[View]) -> np.ndarray:
-    """imgs [B, 1, D, H, W] float32 -> probabilities [B, C, D, H, W] float32 (C: the model's channels), the
-    mean over ``views`` of each view's probabilities mapped back (one view: no mirroring)."""
-    net = model.net
-    total = None
-    with torch.inference_mode():
-        x = torch.from_numpy(imgs).to(next(net.parameters()).device)
-        for view in views:
-            seen = mirror(x, view, axis=2).contiguous()
-            p = mirror(net.probabilities(net(seen)).float(), view, inverse=True, axis=2)
-            total = p if total is None else total + p
-        if len(views) > 1:
-            total /= len(views)
-        return total.cpu().numpy()
