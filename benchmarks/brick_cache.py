@@ -1,7 +1,7 @@
 """Brick cache benchmark (``data.cache_mb``): loader CPU per sample and pretraining time with and
 without normalised bricks kept in memory, side by side in one run.
 
-    python benchmarks/brick_cache.py [--config configs/quality_cpu.toml] [--surveys 8] [--steps 300]
+    python benchmarks/brick_cache.py [--config sfm/configs/quality_cpu.toml] [--surveys 8] [--steps 300]
 
 Surveys of the configuration's ``[synth] shape`` are generated (sfm.synth.survey) and ingested with its
 ``[ingest] chunk``. Then, on the configuration's crops, batch size and augmentation:
@@ -99,7 +99,7 @@ def train(urls: list[str], config_path: Path, root: Path, steps: int, cache_mb: 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default=str(PROJECT / "configs" / "quality_cpu.toml"))
+    parser.add_argument("--config", default=str(PROJECT / "sfm" / "configs" / "quality_cpu.toml"))
     parser.add_argument("--surveys", type=int, default=8)
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--steps", type=int, default=300)

@@ -1,7 +1,7 @@
 """Did pretraining pay? The fine-tuned encoder against the baselines a user would otherwise train (issue 54).
 
     python benchmarks/finetune.py --encoder sfm_data/registry/sfm-mae/v3   # a registered version's folder
-    python benchmarks/finetune.py                                          # pretrain configs/quality_cpu.toml first
+    python benchmarks/finetune.py                                          # pretrain sfm/configs/quality_cpu.toml first
     python benchmarks/finetune.py --smoke                                  # a tiny random encoder: the script runs
 
 Without ``--encoder`` the quality configuration's pretrain flow runs first in the work folder (about 25 minutes on
@@ -110,8 +110,8 @@ def save_png(figures: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--encoder", help="a registered encoder version's folder (holds version.json); default: "
-                        "pretrain configs/quality_cpu.toml first")
-    parser.add_argument("--config", default=str(ROOT / "configs" / "quality_cpu.toml"),
+                        "pretrain sfm/configs/quality_cpu.toml first")
+    parser.add_argument("--config", default=str(ROOT / "sfm" / "configs" / "quality_cpu.toml"),
                         help="the pretrain flow's config when --encoder is not given")
     parser.add_argument("--workdir", help="where the runs keep their data (default: a temporary folder)")
     parser.add_argument("--budgets", default="1,4", help="labelled training surveys per run")

@@ -10,7 +10,7 @@ a bare GPU machine. On 2 CPU cores one pretraining of the configuration takes te
 run at once, so questions about the recipe (how many samples, which batch, which seed) get answers with
 several pretraining seeds, which is what the gains need (they move by +/-0.03 AP between seeds).
 
-Each variant is a name and overrides of the configuration's pretraining (``configs/quality_cpu.toml``):
+Each variant is a name and overrides of the configuration's pretraining (``sfm/configs/quality_cpu.toml``):
 ``steps``, ``batch``, ``lr``, ``warmup``, ``mask``, ``surveys``, ``seed`` (the pretraining seed: init,
 crops and masks), ``optimizer`` (adamw | muon) and ``muon_lr``. Its MAE is pretrained as ``sfm.train.trainer`` does it (``build_optimizer``, ``lr_at``
 warmup and cosine decay, gradient clipping at 1.0, float32) on random crops of the configuration's
@@ -40,7 +40,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-CONFIG = os.path.join(ROOT, "configs", "quality_cpu.toml")
+CONFIG = os.path.join(ROOT, "sfm", "configs", "quality_cpu.toml")
 KNOBS = {"steps": int, "batch": int, "lr": float, "warmup": int, "mask": float, "surveys": int, "seed": int,
          "optimizer": str, "muon_lr": float}
 # The question of BENCHMARKS.md "Quality" (2026-12-04, GPU): the configuration over three pretraining seeds

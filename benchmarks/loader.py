@@ -22,7 +22,7 @@ the float32 store (float16 batches). Rows also for k = 32 with four times the la
 flight), with float16 and with int8 batches.
 
 The last line is one JSON object; at its top level the figures of the configuration that
-``configs/hyperpod_p5en.toml`` ships: cpu_ms_per_sample, s3_mb_per_sample, gets_per_sample,
+``sfm/configs/hyperpod_p5en.toml`` ships: cpu_ms_per_sample, s3_mb_per_sample, gets_per_sample,
 distinct_region_fraction, val_loss_ratio_k_vs_1.
 """
 
@@ -47,7 +47,7 @@ from receive import rclone_with_survey, receive_cost  # noqa: E402
 
 CROP = (128, 128, 128)
 AUGMENT = ("flip_inline", "flip_crossline", "swap")
-CLUSTER_CONFIG = PROJECT / "configs" / "hyperpod_p5en.toml"
+CLUSTER_CONFIG = PROJECT / "sfm" / "configs" / "hyperpod_p5en.toml"
 MB = 1e6
 
 

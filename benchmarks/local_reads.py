@@ -5,7 +5,7 @@ zarr's own local reads (its event loop, a thread per read), side by side in one 
     python benchmarks/local_reads.py [--surveys 8] [--shape 128 128 256] [--batches 150] [--rounds 3]
 
 ``--surveys`` synthetic surveys (sfm.synth.survey) are ingested by ``sfm ingest`` into a temporary data
-root with the bricks and codec of ``configs/quality_cpu.toml``; both loaders then stream that
+root with the bricks and codec of ``sfm/configs/quality_cpu.toml``; both loaders then stream that
 configuration's batches (its crop, batch size and augmentations; read threads, no worker processes)
 for ``--batches`` batches after a warm-up, alternating over ``--rounds`` rounds (medians), so that
 background load hits both alike. Figures per sample: loader CPU ms (this process's CPU time, all its
@@ -30,7 +30,7 @@ from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
-CONFIG = PROJECT / "configs" / "quality_cpu.toml"
+CONFIG = PROJECT / "sfm" / "configs" / "quality_cpu.toml"
 
 
 def ingest(workdir: Path, surveys: int, shape: list[int], job) -> list[str]:

@@ -1,6 +1,6 @@
 """Does pretraining help? The downstream evaluation of a registered model (issue 15).
 
-    python benchmarks/quality.py                                   # run configs/quality_cpu.toml's flow first
+    python benchmarks/quality.py                                   # run sfm/configs/quality_cpu.toml's flow first
     python benchmarks/quality.py --model sfm_data/registry/sfm-mae/v3   # a registered version's folder
 
 Without ``--model`` the quality configuration's flow runs end to end in a fresh folder (its own
@@ -70,7 +70,7 @@ def run_quality_flow(config: Path, workdir: Path) -> tuple[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a registered version's folder (holds version.json); default: run the flow")
-    parser.add_argument("--config", default=str(ROOT / "configs" / "quality_cpu.toml"),
+    parser.add_argument("--config", default=str(ROOT / "sfm" / "configs" / "quality_cpu.toml"),
                         help="job config of the flow run when --model is not given")
     parser.add_argument("--budgets", default="1,4,16",
                         help="label budgets to evaluate (default 1,4,16; the flow's own evaluation may run fewer)")

@@ -47,11 +47,11 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 if [[ -d $source ]]; then
-    # build from a copy of what the wheel is made of (sfm's link to flows/ followed),
-    # so a stale build/ or egg-info in the checkout cannot leak into the wheel
+    # build from a copy of what the wheel is made of, so a stale build/ or egg-info in the checkout
+    # cannot leak into the wheel
     mkdir "$work/src"
-    cp -L "$source/pyproject.toml" "$source/README.md" "$work/src/"
-    cp -rL "$source/sfm" "$work/src/sfm"
+    cp "$source/pyproject.toml" "$source/README.md" "$work/src/"
+    cp -r "$source/sfm" "$work/src/sfm"
     find "$work/src" -name __pycache__ -prune -exec rm -rf {} +
     "${pip[@]}" wheel --quiet --no-deps --wheel-dir "$work/dist" "$work/src"
     wheel=$(echo "$work"/dist/sfm-*.whl)

@@ -12,6 +12,7 @@ import sys
 
 from sfm.config import INGEST_DTYPES, LAUNCHERS, STRATEGIES, IngestConfig
 from sfm.errors import SFMError
+from sfm.flows import FLOWS
 from sfm.user_errors import exit_status
 
 
@@ -165,6 +166,18 @@ def _cmd_watch(args: argparse.Namespace) -> None:
                         publish_event=args.publish_event, event_url=args.event_url, lease_s=args.lease,
                         wait_s=args.wait)
     watch(opts, interval_s=args.interval, once=args.once)
+
+
+def _cmd_flow(args: argparse.Namespace) -> None:
+    """Run a packaged flow: this process becomes ``python sfm/flows/NAME_flow.py ARGS``
+    (:func:`sfm.flows.flow_command`), so Metaflow has the terminal, the signals and the exit status."""
+    import os
+
+    from sfm.flows import flow_command
+
+    command = flow_command(args.flow, args.args)
+    sys.stdout.flush()
+    os.execv(command[0], command)
 
 
 def _cmd_iam_policy(args: argparse.Namespace) -> None:
@@ -398,13 +411,23 @@ def _add_model_commands(sub) -> None:
                    help="config override, repeatable, e.g. --set train.max_steps=500")
     p.add_argument("--held-out", default="", help="comma-separated SEG-Y URLs to evaluate on "
                    "(default: the champion's held-out surveys)")
-    p.add_argument("--flow", default="", help="the pretrain flow file (default: flows/pretrain_flow.py beside sfm/)")
+    p.add_argument("--flow", default="", help="the pretrain flow file (default: the package's, "
+                   "sfm/flows/pretrain_flow.py)")
     p.add_argument("--publish-event", action="store_true",
                    help="publish the config's [retrain] event to Argo Events instead of running locally")
     p.add_argument("--event-url", default="", help="Argo Events webhook (default: METAFLOW_ARGO_EVENTS_WEBHOOK_URL)")
     p.add_argument("--lease", type=float, default=600.0, help="seconds a watcher's lease lasts without renewal")
     p.add_argument("--wait", type=float, default=3600.0, help="seconds a pass waits for another watcher's lease")
     p.set_defaults(func=_cmd_watch)
+
+    p = sub.add_parser("flow", help="run a flow of the package from any folder: sfm flow NAME [METAFLOW ARGUMENTS], "
+                       "e.g. sfm flow finetune run --surveys ... (python flows/NAME_flow.py ... in a checkout)")
+    p.add_argument("flow", choices=FLOWS, help="pretrain (SEG-Y to a registered encoder), finetune (labelled surveys "
+                   "to a task model) or predict (a task model over a survey)")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="Metaflow's arguments: [--config config "
+                   "FILE|NAME] [--with DECORATOR] run [PARAMETERS] | resume | card view STEP | ...; NAME: a packaged "
+                   "config (sfm/configs/: quality_cpu, hyperpod_p5en; default)")
+    p.set_defaults(func=_cmd_flow)
 
     p = sub.add_parser("iam-policy", help="print the least-privilege IAM policy for a data root on S3")
     p.add_argument("--data-root", required=True, help="s3://bucket/prefix the pipeline writes to")
@@ -443,14 +466,16 @@ def _add_predict_command(sub) -> None:
                        "(and optionally a SEG-Y)")
     p.add_argument("--model", required=True, help="NAME[:vN|:latest|:champion] in the registry (e.g. sfm-faults:v3; "
                    "NAME alone: its champion), or an exported task model's folder URL")
-    p.add_argument("--survey", required=True, help="the survey store's URL (what `sfm ingest` printed)")
+    p.add_argument("--survey", required=True, help="a survey id or store URL (what `sfm ingest` printed), or a SEG-Y "
+                   "file / MDIO store, ingested into --data-root first")
     p.add_argument("--out", required=True, help="the prediction store's URL (local path or s3://); must not exist")
-    p.add_argument("--data-root", default=PredictOptions.data_root, help="where --model NAME is registered "
-                   f"(default {PredictOptions.data_root}, the flows' default)")
+    p.add_argument("--data-root", default=PredictOptions.data_root, help="where --model NAME is registered and "
+                   f"--survey published or ingested (default {PredictOptions.data_root}, the flows' default)")
     p.add_argument("--output", choices=OUTPUTS, default=PredictOptions.output,
                    help="probability (float32; binary tasks: of class 1) or classes (uint8)")
-    p.add_argument("--mirror", action="store_true", help="test-time mirroring: each window also seen flipped along "
-                   "the inlines and crosslines (and swapped), averaged; 4-8x the work")
+    p.add_argument("--mirror", action=argparse.BooleanOptionalAction, default=PredictOptions.mirror,
+                   help="test-time mirroring: each window also seen flipped along the inlines and crosslines (and "
+                   "swapped), averaged; 4-8x the work (default: as the task model's scores were measured)")
     p.add_argument("--layout", choices=LAYOUTS, default=PredictOptions.layout,
                    help="sfm (default), or mdio: also what MDIO's tools read and export (needs a survey ingested "
                         "with --layout mdio, or an MDIO store)")
@@ -461,7 +486,8 @@ def _add_predict_command(sub) -> None:
     p.add_argument("--part", type=int, default=None, help="run only this part (0..parts-1) and publish nothing; "
                    "without it every part not yet written runs, then the store is published")
     p.add_argument("--overlap", type=float, default=PredictOptions.overlap,
-                   help="overlap of neighbouring windows, a fraction of the crop (default 0.5)")
+                   help="overlap of neighbouring windows, a fraction of the crop (default: as the task model's "
+                   "scores were measured, 0.5 for a model that records none)")
     p.add_argument("--batch-size", type=int, default=PredictOptions.batch_size, help="windows per network call")
     p.add_argument("--device", default=PredictOptions.device, help="auto (a GPU if there is one), cpu, cuda or cuda:N")
     p.set_defaults(func=_cmd_predict)

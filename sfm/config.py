@@ -18,6 +18,7 @@ from sfm.config_values import at_least, coerce, field_types, fraction_in, one_of
 from sfm.errors import SFMError
 
 DEFAULT_TOML = Path(str(resources.files("sfm") / "default.toml"))  # inside the package, also when installed
+CONFIGS_DIR = Path(str(resources.files("sfm") / "configs"))  # example job configs, named by config_file()
 # data.augment: what sfm.data.crops may apply per crop (the last two: time axis reversed, polarity inverted)
 AUGMENTATIONS = ("flip_inline", "flip_crossline", "swap", "reverse_time", "invert_polarity")
 ALIGNMENTS = ("voxel", "brick")  # data.align: crop origins anywhere, or on the store's brick grid
@@ -26,6 +27,11 @@ BATCH_DTYPES = ("float32", "float16", "int8")  # data.batch_dtype: the crops' va
 STRATEGIES = ("ddp", "fsdp2-zero2", "fsdp2-full", "deepspeed-zero2", "deepspeed-zero3")  # dist.strategy (sfm.distributed)
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer (see sfm.train.muon)
 LAUNCHERS = ("torchrun", "accelerate")  # dist.launcher: what starts a node's processes (sfm.distributed.launch)
+# train.trackers: Accelerate's experiment trackers (accelerate.tracking.LOGGER_TYPE_TO_CLASS, sfm.train.trackers),
+# each with the modules any one of which it needs installed
+TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",), "wandb": ("wandb",),
+            "aim": ("aim",), "comet_ml": ("comet_ml",), "clearml": ("clearml",), "dvclive": ("dvclive",),
+            "swanlab": ("swanlab",), "trackio": ("trackio",)}
 LABEL_IGNORE = 255  # label stores' value of voxels nobody interpreted (uint8: classes 0..254; sfm.ingest.labels)
 
 
@@ -94,6 +100,18 @@ INGEST_DTYPES = ("float32", "float16", "int8")
 NONFINITE_POLICIES = ("replace", "refuse")
 LAYOUTS = ("sfm", "mdio")  # ingest.layout
 DOMAINS = ("time", "depth")  # ingest.domain
+
+
+def config_file(name: str | Path) -> Path:
+    """The job config file ``name`` means: a file that exists, else a packaged config by its name (``quality_cpu``
+    or ``quality_cpu.toml``: sfm/configs/; ``default``: sfm/default.toml), else ``name`` as it is (reading it says
+    it is missing). ``sfm flow NAME --config config NAME`` and every ``--config`` of ``sfm`` resolve through this."""
+    path = Path(name)
+    if path.is_file() or path.parent != Path("."):
+        return path
+    stem = path.name.removesuffix(".toml")
+    packaged = DEFAULT_TOML if stem == "default" else CONFIGS_DIR / f"{stem}.toml"
+    return packaged if packaged.is_file() else path
 
 
 def codec_settings(codec: str) -> tuple[str, int]:
@@ -195,6 +213,12 @@ class TrainConfig:
     threads_per_process: int = 0  # 0: torch's default
     init_from: str = ""  # URL of a registered/exported model to continue pretraining from
     snapshots: tuple[float, ...] = ()  # fractions of max_steps at which the model is also exported (snapshots/step-N)
+    # where the run's figures and config go (pretraining and fine-tuning, from the main process): any of Accelerate's
+    # trackers (TRACKERS: tensorboard, mlflow, wandb, aim, ...); mlflow logs to registry.mlflow_uri, else
+    # MLFLOW_TRACKING_URI. Files the trackers write (TensorBoard's event files) reach <run_root>/tensorboard/ every
+    # tracker_sync_s seconds while the run runs, and when it ends or fails (0: only then); see sfm.train.trackers
+    trackers: tuple[str, ...] = ("tensorboard",)
+    tracker_sync_s: float = 60.0
 
     def check(self) -> None:
         """Every setting valid, or SFMError naming it and the fix."""
@@ -209,6 +233,16 @@ class TrainConfig:
         if any(not 0 < f < 1 for f in self.snapshots):
             raise SFMError(f"train.snapshots = {list(self.snapshots)}: each must be a fraction of the steps in (0, 1)")
         one_of("train.optimizer", self.optimizer, OPTIMIZERS)
+        for name in self.trackers:
+            if name not in TRACKERS:
+                raise SFMError(f"train.trackers: {name!r} is not one of Accelerate's trackers; use a list of "
+                               f"{', '.join(TRACKERS)}, e.g. trackers = [\"tensorboard\", \"mlflow\"]")
+            if not any(importlib.util.find_spec(module) for module in TRACKERS[name]):
+                raise SFMError(f"train.trackers: {name} is not installed here; pip install {TRACKERS[name][0]}, "
+                               f"or leave {name} out of train.trackers")
+        if not self.tracker_sync_s >= 0:
+            raise SFMError(f"train.tracker_sync_s = {self.tracker_sync_s} must be >= 0 (seconds between copies of the "
+                           "trackers' files to the run root; 0: only at the end)")
 
 
 @dataclass
@@ -327,7 +361,7 @@ LABELLED_VOLUME = 64 ** 3  # voxels of labels that count as one labelled volume 
 
 def quick_recipe() -> FinetuneConfig:
     """The pretrain evaluation's default recipe (``[eval.finetune]``): it runs in every pretraining run, so it is a
-    quick check, 60 steps at one rate per arm; configs/quality_cpu.toml sets a full one."""
+    quick check, 60 steps at one rate per arm; sfm/configs/quality_cpu.toml sets a full one."""
     return FinetuneConfig(steps=60, lrs=(1e-3,), lrs_random=(1e-3,), lrs_unet=(1e-3,), max_minutes=0.0)
 
 
@@ -431,11 +465,12 @@ class JobConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "JobConfig":
-        path = Path(path) if path else DEFAULT_TOML
+        path = config_file(path) if path else DEFAULT_TOML
         try:
             data = tomllib.loads(path.read_text())
         except FileNotFoundError as err:
-            raise SFMError(f"config file {path} does not exist; pass an existing TOML file") from err
+            raise SFMError(f"config file {path} does not exist; pass an existing TOML file or a packaged config's "
+                           f"name ({', '.join(sorted(p.stem for p in CONFIGS_DIR.glob('*.toml')))})") from err
         except tomllib.TOMLDecodeError as err:
             raise SFMError(f"config file {path} is not valid TOML ({err}); fix the syntax") from err
         return cls.from_dict(data).override(overrides or ())

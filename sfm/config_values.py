@@ -50,7 +50,7 @@ def field_types(section: type) -> dict[str, Any]:
 
 def coerce(dotted: str, hint: Any, value: Any) -> Any:
     """Convert ``value`` to the field's type ``hint``, with a one-line error naming the key on failure. A tuple
-    field takes a list, or one number for every element."""
+    field takes a list, or one number for every element (a variable-length one: one number or name, a list of one)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None
         if value is None:
             return None
@@ -60,6 +60,8 @@ def coerce(dotted: str, hint: Any, value: Any) -> Any:
             elems = typing.get_args(hint)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 value = [value] * (1 if Ellipsis in elems else len(elems))
+            if isinstance(value, str) and Ellipsis in elems:  # one name (train.trackers=mlflow): a list of one
+                value = [value]
             return tuple(elems[0](v) for v in value)
         if hint is bool:
             return value.lower() in ("1", "true", "yes") if isinstance(value, str) else bool(value)

@@ -366,7 +366,7 @@ class _Mapper:
         self.only(p + "fsdp_state_dict_type", fsdp.get("fsdp_state_dict_type"), ("SHARDED_STATE_DICT",),
                   "is not honoured: sfm's FSDP2 checkpoints are sharded and its exported model full; use "
                   "SHARDED_STATE_DICT")
-        from sfm.model.mae import Block
+        from sfm.model.blocks import Block
 
         classes = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
         if classes is not None and {c.strip() for c in str(classes).split(",")} != {Block.__name__}:

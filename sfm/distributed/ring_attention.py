@@ -227,7 +227,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class RingAttention:
-    """``attn_fn(q, k, v)`` for :class:`sfm.model.mae.Attention`: :func:`ring_attention` over ``group``."""
+    """``attn_fn(q, k, v)`` for :class:`sfm.model.blocks.Attention`: :func:`ring_attention` over ``group``."""
 
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group

@@ -86,8 +86,7 @@ def arms_table(metrics: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
     return rows, ["arm", "seeds"] + [names[k] for k in keys] + ["lr chosen", "step kept"]
 
 
-def finetune_components(metrics: dict[str, Any], summary: dict[str, Any], figures: dict[str, Any],
-                        lineage: dict[str, Any]) -> list:
+def finetune_components(metrics: dict[str, Any], summary: dict[str, Any], figures: dict[str, Any]) -> list:
     """Card components: what was fine-tuned from what, every arm's held-out scores (mean ± sd over the seeds) and
     each run's, the registered model's per class for several, the validation scores its early stopping chose
     from, and one held-out line with each arm's prediction."""
@@ -98,7 +97,7 @@ def finetune_components(metrics: dict[str, Any], summary: dict[str, Any], figure
     best = summary
     components: list = [
         Markdown(f"# Fine-tuned `{task['kind'] if task['kind'] == 'binary' else 'classes:%d' % task['classes']}` "
-                 f"segmentation ({task['head']} head), the {best['arm']} arm, encoder `{lineage['encoder']}`\n\n"
+                 f"segmentation ({task['head']} head), the {best['arm']} arm, encoder `{best['encoder']}`\n\n"
                  f"Registered: the best of {len(summary['kept'])} arm/seed run(s) on the validation labels (seed "
                  f"{best['seed']}, peak rate {best['lr']:g} of {', '.join(f'{r:g}' for r in best['rates'])}): "
                  f"{best['probe_steps']} head-only steps, then up to {best['steps']} fine-tuning steps "

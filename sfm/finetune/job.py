@@ -43,6 +43,7 @@ from sfm.finetune.samples import LabelledCrops, LabelledSurveys, Split, finetune
 from sfm.finetune.scores import validation_score
 from sfm.model.segmenter import Segmenter, Task, save_segmenter
 from sfm.progress import Progress
+from sfm.train.trackers import Trackers, run_params
 
 ARMS = ("pretrained", "random", "unet")
 UNET_WIDTH = 16  # the U-Net arm's first level: FaultSeg3D's 16-32-64, whatever [finetune] head_width says
@@ -118,16 +119,6 @@ class FinetuneJob(JobFile):
     def lineage_of(self, arm: Arm) -> dict[str, Any]:
         """What a task model of ``arm`` records of its making: its encoder and the label sets."""
         return {"encoder": arm.encoder, "arm": arm.kind, "labels": list(self.label_ids)}
-
-    @property
-    def lineage(self) -> dict[str, Any]:
-        """The first arm's lineage (what the flow's card names)."""
-        return self.lineage_of(self.arms[0])
-
-    @property
-    def encoder(self) -> str:
-        """The first arm's encoder, as lineage names it (what the flow's end step prints)."""
-        return self.arms[0].encoder
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config.to_dict(), "arms": [dataclasses.asdict(a) for a in self.arms],
@@ -211,19 +202,27 @@ def finetune_runs(job: FinetuneJob, rank: int = 0, world: int = 1) -> dict[str, 
     def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return masked_loss(logits, labels, weights, LABEL_IGNORE)
 
+    # rank 0's losses and validation scores to the [train] trackers, <run_root>/tensorboard/sfm-finetune/, each run's
+    # under <arm>/seed<S>/lr<R>/ (a retried run's figures replace the earlier attempt's)
+    trackers = Trackers(cfg, job.run_root, "sfm-finetune", enabled=rank == 0).start(
+        run_params(cfg, world_size=world, encoder=",".join(a.encoder for a in job.arms), task=job.task,
+                   arms=",".join(a.kind for a in job.arms)), first_step=1)
     for arm, task, seed, rates in trials:
         crops = LabelledCrops(surveys, split.train, rank, world, seed=seed)
         best: tuple[float, dict[str, Any], Segmenter] | None = None
         for lr in rates:
             started = time.perf_counter()
             net = arm.build(task, seed)
-            name = f"fine-tune {arm.kind} seed {seed} lr {lr:g}"
+            name, tag = f"fine-tune {arm.kind} seed {seed} lr {lr:g}", f"{arm.kind}/seed{seed}/lr{lr:g}"
             probe = probe_then_fine_tune(
                 net, ft, lambda step: tuple(torch.from_numpy(x) for x in crops.batch(step)), loss_of, lr=lr,
                 steps=steps, validate=validate, wrap=lambda n, frozen: wrapped(n, world, frozen),
                 progress=lambda total, phase: Progress(total, f"{name}: {phase}" if phase != "fine-tune" else name,
                                                        every_s=cfg.train.log_every_s, enabled=rank == 0),
+                track=lambda phase: trackers.under(f"{tag}/{'probe' if phase == 'linear probe' else 'finetune'}"),
                 deadline=started + share if share else None, agree=lambda n: fewest_over_ranks(n, world))
+            for step, value in net.validation:
+                trackers.log({f"{tag}/finetune/validation_score": value}, step)
             score = max((s for _, s in net.validation), default=None)  # None: no validation labels, one rate
             run = {"arm": arm.kind, "seed": seed, "lr": lr, "steps": steps, "steps_run": net.steps_run,
                    "probe_steps": probe, "chosen_step": net.chosen_step, "validation_score": score,
@@ -240,6 +239,7 @@ def finetune_runs(job: FinetuneJob, rank: int = 0, world: int = 1) -> dict[str, 
         kept.append({**run, "encoder": arm.encoder, "model_url": model_url, "rates": list(rates),
                      "chosen_on": "validation labels" if split.validation else "no validation labels: the grid's "
                                                                                "first rate, the last step"})
+    trackers.close()
     if rank != 0:
         return None
     best = max(range(len(kept)), key=lambda k: (ranked(kept[k]["validation_score"]), -k))

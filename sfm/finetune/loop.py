@@ -123,16 +123,21 @@ def masked_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tenso
     return (per_voxel * labelled).sum() / labelled.sum().clamp(min=1)
 
 
-def reporting(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-              progress: Progress) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def reporting(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], progress: Progress,
+              track: Callable[[dict[str, float], int], None] | None = None
+              ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``loss_of`` that also counts each step on ``progress`` and shows that step's loss beside the count
-    (``train_steps`` computes the loss once per step)."""
+    (``train_steps`` computes the loss once per step), and hands it to ``track`` ({"loss": value}, step): rank 0's
+    experiment trackers (:meth:`sfm.train.trackers.Trackers.under`)."""
 
     def counted(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = loss_of(logits, labels)
+        value = loss.item() if progress.enabled or track is not None else None
         if progress.enabled:
-            progress.set(loss=f"{loss.item():.4f}")
+            progress.set(loss=f"{value:.4f}")
         progress.update()
+        if track is not None:
+            track({"loss": value}, progress.n)
         return loss
 
     return counted
@@ -202,6 +207,7 @@ def probe_then_fine_tune(net: Segmenter, recipe, batches: Batches, loss_of, *, l
                          validate: Callable[[Segmenter], float] | None = None, probed: bool = False,
                          wrap: Callable[[Segmenter, bool], nn.Module] | None = None,
                          progress: Callable[[int, str], Progress] | None = None,
+                         track: Callable[[str], Callable[[dict[str, float], int], None] | None] | None = None,
                          deadline: float | None = None, agree: Callable[[int], int] | None = None) -> int:
     """LP-FT on ``net`` (in place): ``recipe.probe_steps`` steps of the head alone on the frozen encoder at
     ``recipe.probe_lr`` (when ``recipe.linear_first``, the network has an encoder, and the head is not
@@ -209,13 +215,14 @@ def probe_then_fine_tune(net: Segmenter, recipe, batches: Batches, loss_of, *, l
     (the probed head a candidate too) within ``deadline`` (:func:`train_steps`, with ``agree``). The probe reads
     batches 0, 1, ...; fine-tuning the ones after them, so no crop is drawn twice. ``wrap(net, freeze_encoder)``:
     what runs the batches (DDP; default ``net``); ``progress(total, phase)``: a Progress counting a phase's steps
-    (phases ``linear probe`` and ``fine-tune``), closed after it. Returns the probe steps run."""
+    (phases ``linear probe`` and ``fine-tune``), closed after it; ``track(phase)``: where that phase's losses go
+    (:func:`reporting`; None: nowhere). Returns the probe steps run."""
     wrap = wrap or (lambda n, frozen: n)
     probe = recipe.probe_steps if recipe.linear_first and net.mae is not None and not probed else 0
 
     def phase(name: str, total: int, first: int, **kw) -> None:
         bar = progress(total, name) if progress is not None else None
-        counted = reporting(loss_of, bar) if bar is not None else loss_of
+        counted = reporting(loss_of, bar, track(name) if track is not None else None) if bar is not None else loss_of
         train_steps(net, recipe, lambda step: batches(first + step), counted, steps=total,
                     forward=wrap(net, kw.get("freeze_encoder", False)), deadline=deadline, agree=agree, **kw)
         if bar is not None:

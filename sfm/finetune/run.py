@@ -100,12 +100,6 @@ def resolve_arms(encoder: str, data_root: str, cfg: JobConfig, *, compare: bool 
     return arms
 
 
-def resolve_encoder(encoder: str, data_root: str, cfg: JobConfig) -> list[Arm]:
-    """``--encoder``'s arm (:func:`resolve_arms` without ``--compare``): the name the flow's ``start`` step calls until
-    the flow takes ``--compare`` and ``--baseline-of``."""
-    return resolve_arms(encoder, data_root, cfg)
-
-
 def plan_pairs(surveys: str, labels: str, held_out: str = "", held_out_labels: str = "", validation: str = "",
                validation_labels: str = "") -> list[dict[str, str]]:
     """Every labelled survey with its role: ``surveys``/``labels`` train, ``validation`` pairs stop early,
@@ -179,6 +173,7 @@ def evaluate(job: FinetuneJob, summary: dict[str, Any]) -> tuple[dict[str, Any],
     from sfm.finetune.samples import LabelledSurveys, finetune_data, split_roles
     from sfm.finetune.scores import held_out_scores, threshold_of
     from sfm.model.segmenter import load_segmenter
+    from sfm.train.trackers import log_scores
 
     cfg = job.config
     ft = cfg.finetune
@@ -210,6 +205,7 @@ def evaluate(job: FinetuneJob, summary: dict[str, Any]) -> tuple[dict[str, Any],
     figures = {"amplitude": test[0].box_amplitude(), "labels": test[0].labels, "predictions": predictions,
                "prediction": predictions[best["arm"]], "axis": first.axis, "survey": job.pairs[first.survey][0],
                "task": job.arms[[a.kind for a in job.arms].index(best["arm"])].task(job.task, ft).to_dict()}
+    log_scores(cfg, job.run_root, "sfm-finetune", metrics, summary["steps"], "held_out")  # beside the losses
     return metrics, figures
 
 

@@ -130,8 +130,8 @@ def _log_run(client, experiment_id: str, model, version: int):
                             tags={k: redact(v)[:MAX_TAG_VAL_LENGTH] for k, v in tags.items()})
     try:
         now = int(time.time() * 1000)
-        params = [Param(k, redact(v)[:MAX_PARAM_VAL_LENGTH]) for k, v in _params(record["config"])]
-        metrics = [Metric(k, v, now, 0) for k, v in _numbers(record["metrics"])]
+        params = [Param(k, redact(v)[:MAX_PARAM_VAL_LENGTH]) for k, v in config_params(record["config"])]
+        metrics = [Metric(k, v, now, 0) for k, v in metric_numbers(record["metrics"])]
         for start in range(0, max(len(params), len(metrics)), MAX_PARAMS_TAGS_PER_BATCH):
             client.log_batch(run.info.run_id, params=params[start:start + MAX_PARAMS_TAGS_PER_BATCH],
                              metrics=metrics[start:start + MAX_PARAMS_TAGS_PER_BATCH])
@@ -194,12 +194,13 @@ def _flat(values: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]
             yield f"{prefix}{key}", value
 
 
-def _params(config: dict[str, Any]) -> list[tuple[str, str]]:
-    """The job config as (section.key, text) pairs, lists as JSON, the tracking URI left out."""
+def config_params(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """The job config as (section.key, text) pairs, lists as JSON, the tracking URI left out (what a registered
+    version's run and a training run's trackers record, sfm.train.trackers)."""
     return [(k, v if isinstance(v, str) else json.dumps(v)) for k, v in _flat(config) if k not in _SECRET_KEYS]
 
 
-def _numbers(metrics: dict[str, Any]) -> list[tuple[str, float]]:
+def metric_numbers(metrics: dict[str, Any]) -> list[tuple[str, float]]:
     """The metrics MLflow can chart: finite numbers (booleans as 0/1), nested dicts' as dotted names."""
     out = []
     for key, value in _flat(metrics):

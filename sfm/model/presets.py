@@ -2,7 +2,7 @@
 
 Encoder widths follow ViT-S/B/L/H; the decoder is MAE's light 512-wide, 8-block one (smaller for
 ``small``). ``tiny`` exists for CPU tests: it trains in seconds and still learns. ``mini`` is the smallest model
-that learns features worth fine-tuning on a 2-core CPU in minutes (configs/quality_cpu.toml): thin
+that learns features worth fine-tuning on a 2-core CPU in minutes (sfm/configs/quality_cpu.toml): thin
 patches (4 x 4 traces by 8 samples) so neighbouring patches still share reflectors across faults, and a
 one-block decoder: at equal steps its encoder's frozen fault features beat those of a 2- or 4-block
 decoder, and each step is cheaper (BENCHMARKS.md "Quality" has the ablation).

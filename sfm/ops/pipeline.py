@@ -243,7 +243,7 @@ def register(data_root: str, cfg: JobConfig, *, model_url: str, metrics: dict, r
 
 # The gain the quality configuration last measured (BENCHMARKS.md "Quality"; a test holds the two equal), which the
 # demo's closing line points a newcomer to: its own tiny model is too small for pretraining to help.
-QUALITY_COMMAND = "python flows/pretrain_flow.py --config config configs/quality_cpu.toml run"
+QUALITY_COMMAND = "sfm flow pretrain --config config quality_cpu run"
 QUALITY_GAINS = {1: "+0.084", 4: "+0.106"}  # labelled volumes -> mean fine-tuned AP gain over random init
 
 

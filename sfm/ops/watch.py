@@ -45,18 +45,18 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from sfm import storage  # manifest and registry (pandas, jsonschema) load where used: the flow imports this module
 from sfm.config import JobConfig, toml_text
 from sfm.errors import SFMError
+from sfm.flows import flow_file
 
 SEGY_SUFFIXES = (".sgy", ".segy")
-# the flow travels inside the package (sfm/flows links to flows/pretrain_flow.py in a checkout, a wheel
-# carries the file), so an installed `sfm watch` runs it too; in a checkout this is flows/pretrain_flow.py
-FLOW_FILE = Path(str(resources.files("sfm") / "flows" / "pretrain_flow.py")).resolve()
+# the pretrain flow is a file of the package (sfm/flows/pretrain_flow.py, what `sfm flow pretrain` runs), so an
+# installed `sfm watch` runs it too
+FLOW_FILE = flow_file("pretrain")
 FLOW_NAME = "PretrainFlow"
 DONE = ("trained", "published", "quarantined")
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 __all__ = ["is_s3", "ENDPOINT_ENV", "s3_endpoint_url", "s3fs_options", "normalize", "join", "safe_join",
            "filesystem", "exists", "read_bytes", "write_bytes", "write_bytes_if_absent", "boto_client", "list_dir",
-           "list_tree", "upload", "download", "remove", "local_copy", "zarr_store", "read_head", "process_alive",
-           "split_urls", "join_urls"]
+           "list_tree", "upload", "upload_grown", "download", "remove", "local_copy", "zarr_store", "read_head",
+           "process_alive", "split_urls", "join_urls"]
 
 
 def __getattr__(name: str):

@@ -204,6 +204,26 @@ def upload(local_path: str | os.PathLike, url: str) -> None:
     os.replace(tmp, path)
 
 
+def upload_grown(local_path: str | os.PathLike, url: str, copied: int = 0) -> None:
+    """Bring ``url``, a copy of a local file that only grows (an event log) whose first ``copied`` bytes it
+    holds, up to the file's current bytes: on S3 one whole-object PUT (objects cannot be appended to); locally the
+    new bytes appended in place (the whole file written when the copy is not ``copied`` long), so that a reader
+    following the file, like TensorBoard, sees it grow as it would the original, and no temporary name appears
+    beside it."""
+    if is_s3(url):
+        upload(local_path, url)
+        return
+    _, path = filesystem(url)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if not (copied and os.path.exists(path) and os.path.getsize(path) == copied):
+        copied = 0
+    with open(local_path, "rb") as src, open(path, "r+b" if copied else "wb") as dst:
+        src.seek(copied)
+        dst.seek(copied)
+        shutil.copyfileobj(src, dst)
+        dst.truncate()
+
+
 def download(url: str, local_path: str | os.PathLike) -> None:
     """Copy the object (or every object under the prefix) at ``url`` to ``local_path``.
 

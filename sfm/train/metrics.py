@@ -1,18 +1,28 @@
 """What a training run reports while it runs: the loss history, throughput windows, the progress
-bar, the heartbeat and TensorBoard (through the accelerator's tracker)."""
+bar, the heartbeat and the experiment trackers (TensorBoard, MLflow, ...: sfm.train.trackers)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from sfm.model.hardware import PeakFlops
 from sfm.progress import DEFAULT_EVERY_S, Progress
 from sfm.train.step import throughput
+
+
+class StepCost(NamedTuple):
+    """What one optimiser step is worth, for throughput and MFU: the samples of the whole step (every dp rank, every
+    micro-batch), the voxels of one sample, the model FLOPs of one sample's training, and the device's peak."""
+
+    samples_per_step: int
+    voxels_per_sample: int
+    flops_per_sample: float
+    peak: PeakFlops
 
 
 class MetricsLogger:
@@ -22,15 +32,16 @@ class MetricsLogger:
     None. Time spent in checkpoints, snapshots and rollbacks (:meth:`paused`) does not count
     against throughput. A checkpoint part: its state is the history (the same on every rank).
 
-    ``health`` (a :class:`sfm.train.health.RunHealth`): the heartbeat each log beats, with the guard's counts.
+    ``health`` (a :class:`sfm.train.health.RunHealth`): the heartbeat each log beats, with the guard's counts;
+    ``trackers`` (a :class:`sfm.train.trackers.Trackers`): where each log's figures go.
     """
 
-    def __init__(self, accelerator, health, *, max_steps: int, samples_per_step: int, voxels_per_sample: int,
-                 flops_per_sample: float, peak: PeakFlops, every_s: float = DEFAULT_EVERY_S):
+    def __init__(self, accelerator, health, trackers, cost: StepCost, *, max_steps: int,
+                 every_s: float = DEFAULT_EVERY_S):
         self.accelerator, self.heartbeat, self.guard = accelerator, health.heartbeat, health.guard
+        self.trackers = trackers
         self.history: list[dict] = []
-        self.samples_per_step, self.voxels_per_sample = samples_per_step, voxels_per_sample
-        self.flops_per_sample, self.peak = flops_per_sample, peak
+        self.samples_per_step, self.voxels_per_sample, self.flops_per_sample, self.peak = cost
         self.pending: list[torch.Tensor] = []  # mean loss of each step since history was last written
         self.started = time.perf_counter()
         self._window_start, self._window_steps, self._paused = self.started, 0, 0.0
@@ -68,7 +79,7 @@ class MetricsLogger:
         loss = self.history[-1]["loss"]
         metrics = {"loss": float("nan") if loss is None else loss, "lr": lr, **speed}
         self.history[-1].update({k: v for k, v in metrics.items() if k != "loss"})
-        self.accelerator.log(metrics, step=step)
+        self.trackers.log(metrics, step)
         self.progress.set(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}",
                           **{"samples/s": f"{speed['samples_per_s']:.1f}",
                              "voxels/s": f"{speed['voxels_per_s'] / 1e6:.1f}M",

@@ -14,7 +14,8 @@ writes under its ``run_root``::
     final/                 the exported model (model.safetensors + config.json)
     snapshots/step-NNNNNN/ the model exported part-way, at ``train.snapshots`` fractions of the steps
     summary.json           loss history and throughput (written last)
-    tensorboard/           Accelerate's TensorBoard logs
+    tensorboard/           the trackers' files (TensorBoard's event files), copied there while the run runs
+                           (sfm.train.trackers: every [train] tracker_sync_s, and when it ends or fails)
 
 The job file is a :class:`sfm.distributed.job.TrainJob` as JSON: {"config": JobConfig dict, "surveys": [store
 URLs], "run_root": URL} (:func:`sfm.distributed.job.node_job` builds it), read once at the process's entry.
@@ -32,7 +33,6 @@ import logging
 import math
 import os
 import sys
-import tempfile
 import time
 from typing import Any, Callable
 
@@ -56,7 +56,8 @@ from sfm.train import checkpoint
 from sfm.train import failure_injection
 from sfm.train.failure_injection import FailureInjection
 from sfm.train.health import ROLLBACK, SKIP, Heartbeat, NonFiniteGuard, RunHealth, Watchdog, all_ranks_finite
-from sfm.train.metrics import MetricsLogger
+from sfm.train.metrics import MetricsLogger, StepCost
+from sfm.train.trackers import Trackers, run_params
 from sfm.train.step import TrainStep, apply_training_options, build_optimizer, lr_at
 
 log = logging.getLogger("sfm.train.trainer")
@@ -155,6 +156,7 @@ class Trainer:
                                     hooks=run.hooks, mask_noise=self.mask_noise)
         self.stream = self.open_data(run.slab)
         self._batches = self._feed()
+        self.trackers = Trackers(cfg, self.run_root, "sfm-pretrain", enabled=self.main)  # started by resume()
         self.metrics = self.start_metrics()
         self.track_state()
 
@@ -196,6 +198,7 @@ class Trainer:
         finally:
             self.metrics.close()
             self.stream.close()
+            self.trackers.close()  # the figures reach the run root, whatever ended the loop
         return self.finish(snapshot_steps)
 
     # ---- the pieces -------------------------------------------------------------------------------
@@ -236,16 +239,13 @@ class Trainer:
                                worker_init=environment_for_workers(), **on_slab)
 
     def start_metrics(self) -> MetricsLogger:
-        """Trackers and the metrics logger (its history is a checkpoint part)."""
+        """The metrics logger (its history is a checkpoint part), logging to the trackers."""
         cfg, layout, acc = self.cfg, self.layout, self.accelerator
-        acc.init_trackers("sfm-pretrain", config={"preset": cfg.model.preset, "world_size": self.world,
-                                                  "strategy": self.strategy, "cp": layout.cp})
-        return MetricsLogger(
-            acc, self.health, max_steps=cfg.train.max_steps,
-            samples_per_step=self.micro_batches * cfg.data.batch_size * layout.dp,  # cp ranks share samples
-            voxels_per_sample=math.prod(cfg.data.crop), flops_per_sample=train_flops_per_sample(self.mcfg),
-            peak=PeakFlops(acc.device, torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32),
-            every_s=cfg.train.log_every_s)
+        cost = StepCost(samples_per_step=self.micro_batches * cfg.data.batch_size * layout.dp,  # cp ranks share
+                        voxels_per_sample=math.prod(cfg.data.crop), flops_per_sample=train_flops_per_sample(self.mcfg),
+                        peak=PeakFlops(acc.device, torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32))
+        return MetricsLogger(acc, self.health, self.trackers, cost, max_steps=cfg.train.max_steps,
+                             every_s=cfg.train.log_every_s)
 
     def track_state(self) -> None:
         """Everything a resumed run needs besides the weights, optimiser and schedule, registered with
@@ -260,13 +260,18 @@ class Trainer:
         ckpt.register("rng", checkpoint.RNGState(), per_rank=True, keep_on_rollback=True)
 
     def resume(self) -> None:
-        """Continue from the newest checkpoint every rank can read, or start (writing the job config)."""
+        """Continue from the newest checkpoint every rank can read, or start (writing the job config); then start
+        the trackers, whose figures begin after the restored step (what an earlier attempt logged from there on is
+        dropped: sfm.train.trackers)."""
         url = self.checkpointer.load()
         self.start_step = self.step
         if url is not None:
             log.info("resumed from %s at step %d", url, self.step)
         elif self.main:
             storage.write_bytes(storage.join(self.run_root, "job_config.json"), self.cfg.to_json().encode())
+        with self.metrics.paused():  # not training time (an MLflow server's first answer, ...)
+            self.trackers.start(run_params(self.cfg, world_size=self.world, strategy=self.strategy,
+                                           dp=self.layout.dp, cp=self.layout.cp), first_step=self.step + 1)
 
     def state_dict(self) -> dict[str, Any]:
         """The trainer's checkpoint part: the step, and the layout that wrote it."""
@@ -303,6 +308,7 @@ class Trainer:
                                "lower train.lr or raise train.warmup_steps, or checkpoint sooner "
                                "(train.checkpoint_every)")
             self.guard.rolled_back()
+            self.trackers.restart(self.step + 1)
             log.warning("rolled back to %s after %d non-finite steps in a row (rollback %d of %d); the data "
                         "stream continues past the bad batches", url, self.guard.max_consecutive,
                         self.guard.rollbacks, self.guard.max_rollbacks)
@@ -375,41 +381,37 @@ def train(job: TrainJob) -> TrainSummary | None:
     # The timeout bounds every collective: a dead rank fails the others instead of hanging them.
     group = [InitProcessGroupKwargs(backend=cfg.dist.backend_for(cuda),
                                     timeout=dt.timedelta(seconds=cfg.dist.timeout_s))]
-    # the local TensorBoard folder goes once its logs are in the run root, or the run has failed
-    with tempfile.TemporaryDirectory(prefix="sfm-tb-", ignore_cleanup_errors=True) as tb_dir:
-        accelerator = Accelerator(
-            cpu=not cuda, mixed_precision=precision, log_with="tensorboard", project_dir=tb_dir,
-            kwargs_handlers=group if "WORLD_SIZE" in os.environ else [],
-        )
-        if cfg.train.threads_per_process > 0:  # after Accelerator, which sets its own default on CPU
-            torch.set_num_threads(cfg.train.threads_per_process)
-        rank, world = accelerator.process_index, accelerator.num_processes
-        main = accelerator.is_main_process
-        logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
-        cfg.check_parallelism(world)  # the processes torchrun started, whatever the config says
-        h = cfg.health
-        watchdog = Watchdog(h.step_timeout_s, first_timeout_s=h.first_step_timeout_s).start()
-        heartbeat = Heartbeat(run_root, every_s=h.heartbeat_every_s, max_steps=cfg.train.max_steps, enabled=main,
-                              world_size=world)
-        guard = NonFiniteGuard(h.max_nonfinite_in_a_row, h.max_rollbacks)
-        injected = FailureInjection(os.environ.get(failure_injection.ENV, ""), run_root, enabled=main)
-        try:
-            summary = Trainer(job, cfg, accelerator, RunHealth(watchdog, heartbeat, guard), injected).train()
-        except BaseException as err:
-            if main:
-                with contextlib.suppress(Exception):
-                    heartbeat.finish(watchdog.last_step or 0, status="failed", error=type(err).__name__)
-            raise
-        finally:
-            watchdog.stop()
-        gc.collect()  # an FSDP2 model outlives its last reference (its hooks form cycles): free it, and the
-        # collectives and group handles it holds, while the group is up, not after it is gone
-        accelerator.end_training()  # flushes the trackers and ends the process group
+    accelerator = Accelerator(
+        cpu=not cuda, mixed_precision=precision, kwargs_handlers=group if "WORLD_SIZE" in os.environ else [],
+    )
+    if cfg.train.threads_per_process > 0:  # after Accelerator, which sets its own default on CPU
+        torch.set_num_threads(cfg.train.threads_per_process)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    main = accelerator.is_main_process
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
+    cfg.check_parallelism(world)  # the processes torchrun started, whatever the config says
+    h = cfg.health
+    watchdog = Watchdog(h.step_timeout_s, first_timeout_s=h.first_step_timeout_s).start()
+    heartbeat = Heartbeat(run_root, every_s=h.heartbeat_every_s, max_steps=cfg.train.max_steps, enabled=main,
+                          world_size=world)
+    guard = NonFiniteGuard(h.max_nonfinite_in_a_row, h.max_rollbacks)
+    injected = FailureInjection(os.environ.get(failure_injection.ENV, ""), run_root, enabled=main)
+    try:
+        summary = Trainer(job, cfg, accelerator, RunHealth(watchdog, heartbeat, guard), injected).train()
+    except BaseException as err:
         if main:
-            storage.upload(tb_dir, storage.join(run_root, "tensorboard"))
-            heartbeat.finish(cfg.train.max_steps, loss=summary.final_loss, samples_per_s=summary.samples_per_s,
-                             skipped_nonfinite=guard.skipped, rollbacks=guard.rollbacks)
-        return summary
+            with contextlib.suppress(Exception):
+                heartbeat.finish(watchdog.last_step or 0, status="failed", error=type(err).__name__)
+        raise
+    finally:
+        watchdog.stop()
+    gc.collect()  # an FSDP2 model outlives its last reference (its hooks form cycles): free it, and the
+    # collectives and group handles it holds, while the group is up, not after it is gone
+    accelerator.end_training()  # ends the process group
+    if main:
+        heartbeat.finish(cfg.train.max_steps, loss=summary.final_loss, samples_per_s=summary.samples_per_s,
+                         skipped_nonfinite=guard.skipped, rollbacks=guard.rollbacks)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,7 +106,7 @@ def test_the_compare_output_shows_every_arm_with_its_spread_and_the_registered_v
     assert [(c["arm"], c["rates"]) for c in chosen] == [("pretrained", [1e-3]), ("random", [1e-3]),
                                                         ("unet", [1e-3, 3e-3])]
     assert record["metrics"]["arms"] == metrics["arms"] and record["lineage"]["arm"] == compared["summary"]["arm"]
-    components = finetune_components(metrics, compared["summary"], compared["figures"], {"encoder": "sfm-mae:v1"})
+    components = finetune_components(metrics, compared["summary"], compared["figures"])
     text = json.dumps([getattr(c, "_data", None) or getattr(c, "_text", "") for c in components], default=str,
                       ensure_ascii=False)
     assert all(arm in text for arm in ("pretrained", "random", "unet")) and "±" in text

@@ -1,10 +1,12 @@
-"""The package as a cluster installs it (issue 46): deploy/install.sh, the script the HyperPod image's
+"""The package as a cluster installs it (issues 46, 55): deploy/install.sh, the script the HyperPod image's
 Dockerfile runs, builds the wheel from this checkout (`pip wheel --no-deps`) and installs it into a fresh
 virtual environment (dependencies from the same indexes and wheels as the test install; torch==2.13.0 is
 the CPU build on this machine's disk). Then, from a folder outside the repository, with nothing of the
 checkout on the path: `sfm ingest` of the F3 crop, `sfm train` for a few steps (its MFU never above 100 %),
-the flow file `sfm watch` runs read by Metaflow from the package, the demo flow run from a copy of
-flows/pretrain_flow.py (small overrides keep it short), and `sfm registry load` of what it registered.
+`sfm flow pretrain show` (the packaged flow `sfm watch` runs, read by Metaflow), the demo flow run from a copy
+of the checkout's entry point flows/pretrain_flow.py (small overrides keep it short), `sfm registry load` of
+what it registered, and the README's "Using the model" with the packaged flows alone: a labelled survey from
+`sfm synth`, `sfm flow finetune` from the demo's encoder (a few steps) and `sfm flow predict` of the survey.
 
 One virtual environment serves the session; the install's and each command's wall time are printed
 (`pytest -s`) for CI's budget.
@@ -42,6 +44,17 @@ threads_per_process = 1
 crops = 4
 batch_size = 4
 downstream = false
+"""
+
+FINETUNE_FAST = """
+[train]
+threads_per_process = 1
+[finetune]
+steps = 4
+probe_steps = 2
+validate_every = 2
+batch_size = 2
+test_augment = false
 """
 
 
@@ -86,15 +99,19 @@ def test_installed_package_ingests_trains_runs_the_flow_and_loads_from_the_regis
 
     # the package imported is the installed one, carrying the files it reads at run time
     probe = timed("import", [python, "-c", (
-        "import json, sfm; from sfm.ops.watch import FLOW_FILE; from sfm.config import DEFAULT_TOML; "
-        "from sfm.formats.contracts import CONTRACTS_DIR; "
+        "import json, sfm; from sfm.ops.watch import FLOW_FILE; from sfm.config import CONFIGS_DIR, DEFAULT_TOML; "
+        "from sfm.flows import FLOWS, flow_file; from sfm.formats.contracts import CONTRACTS_DIR; "
         "print(json.dumps({'sfm': sfm.__file__, 'flow': str(FLOW_FILE), 'toml': str(DEFAULT_TOML), "
+        "'flows': {n: flow_file(n).read_text() for n in FLOWS}, "
+        "'configs': {p.name: p.read_text() for p in CONFIGS_DIR.iterdir()}, "
         "'contracts': {p.name: p.read_text() for p in CONTRACTS_DIR.iterdir()}}))")], work, env, 120)
     where = json.loads(probe.stdout)
     site = Path(where["sfm"]).parent
     assert site.is_relative_to(bin_.parent), where["sfm"]
-    assert Path(where["flow"]) == site / "flows" / "pretrain_flow.py"
-    assert Path(where["flow"]).read_bytes() == FLOW.read_bytes()  # the flow `sfm watch` runs is the documented one
+    assert Path(where["flow"]) == site / "flows" / "pretrain_flow.py"  # the flow `sfm watch` runs
+    assert where["flows"] == {n: (PROJECT / "sfm" / "flows" / f"{n}_flow.py").read_text()
+                              for n in ("pretrain", "finetune", "predict")}
+    assert where["configs"] == {p.name: p.read_text() for p in (PROJECT / "sfm" / "configs").glob("*.toml")}
     assert Path(where["toml"]).read_bytes() == (PROJECT / "sfm" / "default.toml").read_bytes()
     assert where["contracts"] == {p.name: p.read_text() for p in (PROJECT / "sfm" / "data_contracts").glob("*.json")}
 
@@ -115,7 +132,7 @@ def test_installed_package_ingests_trains_runs_the_flow_and_loads_from_the_regis
     assert written["mfu"] is None or 0 < written["mfu"] <= 1
 
     # the flow `sfm watch` runs is the package's own file, and Metaflow reads it as a flow
-    shown = timed("the packaged flow", [python, where["flow"], "show"], work, env, 300)
+    shown = timed("sfm flow pretrain show", [str(bin_ / "sfm"), "flow", "pretrain", "show"], work, env, 300)
     assert "pretrain" in shown.stdout + shown.stderr
 
     # the demo flow from a copy outside the checkout: it registers sfm-mae v1 in ./sfm_data
@@ -130,3 +147,22 @@ def test_installed_package_ingests_trains_runs_the_flow_and_loads_from_the_regis
     record = json.loads(loaded.stdout.strip().splitlines()[-1])
     assert record["version"] == 1 and record["parameters"] > 0
     assert (work / "model" / "model.safetensors").is_file()
+
+    # "Using the model" with the packaged flows: fine-tune the demo's encoder on a labelled survey, predict it
+    timed("sfm synth", [str(bin_ / "sfm"), "synth", "labelled.sgy", "--shape", "40", "40", "64", "--seed", "7"],
+          work, env, 120)
+    ingested = timed("sfm ingest (labelled)", [str(bin_ / "sfm"), "ingest", "labelled.sgy", "--out", str(root)],
+                     work, env, 300)
+    labelled = json.loads(ingested.stdout.strip().splitlines()[-1])["store_url"]
+    (work / "finetune_fast.toml").write_text(FINETUNE_FAST)
+    tuned = timed("sfm flow finetune", [str(bin_ / "sfm"), "flow", "finetune", "--config", "config",
+                                        "finetune_fast.toml", "run", "--surveys", labelled, "--labels",
+                                        "labelled.faults.npy", "--held-out", "0.25", "--task-name", "faults"],
+                  work, env, 900)
+    assert "registered sfm-faults v1" in tuned.stdout + tuned.stderr
+    timed("sfm flow predict", [str(bin_ / "sfm"), "flow", "predict", "run", "--model", "sfm-faults", "--survey",
+                               labelled, "--out", str(work / "faults.zarr")], work, env, 600)
+    import zarr
+
+    probability = zarr.open_group(str(work / "faults.zarr"), mode="r")["probability"]
+    assert probability.shape == (40, 40, 64)

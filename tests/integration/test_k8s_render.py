@@ -23,7 +23,7 @@ from sfm.ops.cluster import EFA_ENV, EFA_RESOURCE, INSTANCE_TYPE_LABEL, kubernet
 from sfm.errors import SFMError
 from sfm.ops.network_policy import network_policy
 
-P5EN = PROJECT / "configs" / "hyperpod_p5en.toml"
+P5EN = PROJECT / "sfm" / "configs" / "hyperpod_p5en.toml"
 IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/sfm:0.1.0"  # what deploy/Dockerfile builds, in ECR
 
 

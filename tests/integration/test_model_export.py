@@ -68,6 +68,7 @@ from sfm.model.segmenter import Segmenter
 from sfm.errors import SFMError
 
 kind, folder, out = sys.argv[1:]
+torch.set_num_threads(1)  # as the reference: a convolution's sums depend on how the threads split them
 torch.manual_seed(1)
 x = torch.randn(2, 1, 16, 16, 16)
 model = (Segmenter if kind == "task" else MaskedAutoencoder3D).from_pretrained(folder)
@@ -96,15 +97,20 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 
 def reference_outputs(model, kind: str) -> dict[str, torch.Tensor]:
-    """What _LOAD computes, from the model the registry loads."""
+    """What _LOAD computes, from the model the registry loads, on one thread as _LOAD does."""
     torch.manual_seed(1)
     x = torch.randn(2, 1, 16, 16, 16)
     model.eval()
-    with torch.no_grad():
-        if kind == "task":
-            return {"logits": model(x)}
-        _, pred, _ = model(x, noise=torch.rand(2, 64, generator=torch.Generator().manual_seed(2)))
-        return {"features": model.encode(x), "pred": pred}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            if kind == "task":
+                return {"logits": model(x)}
+            _, pred, _ = model(x, noise=torch.rand(2, 64, generator=torch.Generator().manual_seed(2)))
+            return {"features": model.encode(x), "pred": pred}
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name,kind", [(ENCODER, "encoder"), (TASK_MODEL, "task")])

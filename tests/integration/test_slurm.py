@@ -22,7 +22,7 @@ from sfm.config import JobConfig
 from sfm.errors import SFMError
 from sfm.ops.slurm import SbatchOptions, expand_hostlist, render_sbatch
 
-P5EN = PROJECT / "configs" / "hyperpod_p5en.toml"
+P5EN = PROJECT / "sfm" / "configs" / "hyperpod_p5en.toml"
 
 
 def tiny_store(tmp: Path, data_root: str, seed: int = 0) -> str:

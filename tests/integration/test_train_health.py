@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.training import final_weights, make_job, make_survey_store
+from support.training import final_weights, make_job, make_survey_store, tensorboard_losses
 
 from sfm.train import checkpoint
 from sfm.train import health
@@ -52,6 +52,7 @@ def start(job: dict, log: Path, failures: str) -> subprocess.Popen:
 @pytest.mark.timeout(300)
 def test_nan_steps_are_skipped_then_rolled_back_and_the_run_finishes(survey_store, tmp_path):
     job = job_for(survey_store, tmp_path / "run", 20, max_nonfinite_in_a_row=3, max_rollbacks=2)
+    job["config"]["train"]["log_every"] = 1
     log = tmp_path / "nan.log"
     proc = start(job, log, "nan@8,nan@12,nan@13,nan@14")
     assert proc.wait(timeout=240) == 0, log.read_text()[-4000:]
@@ -67,6 +68,10 @@ def test_nan_steps_are_skipped_then_rolled_back_and_the_run_finishes(survey_stor
     assert [h["step"] for h in history if h["loss"] is None] == [8]
     assert all(math.isfinite(h["loss"]) for h in history if h["step"] != 8)
     assert all(bool(v.isfinite().all()) for v in final_weights(str(tmp_path / "run")).values())
+    # TensorBoard shows each step once: the rolled-back steps 11-13 as retrained (a new event file drops the first)
+    shown = tensorboard_losses(tmp_path / "run" / "tensorboard" / "sfm-pretrain")
+    assert [s for s, _ in shown] == list(range(1, 21))
+    assert [v for s, v in shown if s != 8] == pytest.approx([h["loss"] for h in history if h["step"] != 8], rel=1e-6)
     beat = health.read_heartbeat(str(tmp_path / "run"))
     assert beat["status"] == "finished" and beat["step"] == 20
     assert (beat["skipped_nonfinite"], beat["rollbacks"]) == (4, 1)

@@ -238,7 +238,7 @@ def test_schedule_and_event_come_from_the_config():
 def test_flow_file_is_where_the_watcher_looks():
     from sfm.ops.watch import FLOW_FILE
 
-    assert FLOW_FILE == PROJECT / "flows" / "pretrain_flow.py" and FLOW_FILE.exists()
+    assert FLOW_FILE == PROJECT / "sfm" / "flows" / "pretrain_flow.py" and FLOW_FILE.exists()
 
 
 def test_a_failed_run_is_blamed_on_the_file_its_error_names():

@@ -96,6 +96,16 @@ def assert_close(got: torch.Tensor, ref: torch.Tensor, name: str, rtol: float = 
 
 
 
+def tensorboard_losses(events: str | Path) -> list[tuple[int, float]]:
+    """(step, loss) of every loss event TensorBoard shows for ``events``: an event file, or a folder (its event files
+    in order, where a file's purge step drops what earlier files logged from that step on: sfm.train.trackers)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars("loss")] if "loss" in acc.Tags()["scalars"] else []
+
+
 def final_weights(run_root: str) -> dict[str, torch.Tensor]:
     return load_safetensors(storage.read_bytes(storage.join(run_root, "final", "model.safetensors")))
 

@@ -50,7 +50,8 @@ from sfm.cli import build_parser
 PROJECT = Path(__file__).resolve().parents[2]
 README = PROJECT / "README.md"
 DOCS = [README, *sorted((PROJECT / "docs").glob("*.md"))]
-FLOWS = sorted((PROJECT / "flows").glob("*_flow.py"))
+FLOWS = sorted((PROJECT / "flows").glob("*_flow.py"))  # a checkout's entry points: python flows/NAME_flow.py
+PACKAGED_FLOWS = PROJECT / "sfm" / "flows"  # the flows' code and docstrings: sfm flow NAME runs NAME_flow.py here
 SHELLS = {"bash", "sh", "shell", "console", "zsh"}
 VARIADIC = -1
 
@@ -166,7 +167,7 @@ def commands_in_flow_docstrings() -> list[Command]:
     import ast
 
     found = []
-    for path in FLOWS:
+    for path in [*FLOWS, *sorted(PACKAGED_FLOWS.glob("*_flow.py"))]:
         doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
         lines = [(n + 2, line) for n, line in enumerate(doc.splitlines())]  # the docstring opens on line 1
         found += commands_in_lines(lines, str(path.relative_to(PROJECT)), shell=True, synopsis=False)
@@ -267,7 +268,7 @@ def flow_class(path: Path):
     file starts its flow only as __main__)."""
     from metaflow import FlowSpec
 
-    spec = importlib.util.spec_from_file_location(f"_documented_{path.stem}", path)
+    spec = importlib.util.spec_from_file_location(f"_documented_{path.parent.parent.name}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     classes = [v for v in vars(module).values()
@@ -434,8 +435,18 @@ def check_command(tokens: list[str], table: Table, strict: bool = True) -> list[
 def problems_of(command: Command) -> list[str]:
     program, args = command.tokens[0], command.tokens[1:]
     if program == "sfm":
-        return check_command(args, sfm_table(), command.strict)
+        at = next((i for i, t in enumerate(args) if not _is_option(_strip(t))), len(args))
+        if (_strip(args[at]) if at < len(args) else "") != "flow":
+            return check_command(args, sfm_table(), command.strict)
+        # sfm flow NAME ARGS: sfm's own options and the flow's name, then ARGS as the packaged flow file takes them
+        name = _strip(args[at + 1]) if at + 1 < len(args) else ""
+        problems = check_command(args[:at + 2], sfm_table(), command.strict)
+        if problems or not name or _placeholder(name) or "|" in name:
+            return problems
+        return check_command(args[at + 2:], flow_table(PACKAGED_FLOWS / f"{name}_flow.py"), command.strict)
     path = PROJECT / program.removeprefix("./")
+    if _placeholder(path.stem.removesuffix("_flow")):
+        return []  # python flows/NAME_flow.py: any flow
     if not path.is_file():
         return [f"{program}: no such flow file"]
     return check_command(args, flow_table(path), command.strict)
@@ -500,7 +511,9 @@ def test_the_cli_reference_names_every_flow_parameter():
     entries = cli_reference()
     stale = []
     for path in FLOWS:
-        lines = [e for e in entries if e[0] == f"flows/{path.name}"]
+        name = path.stem.removesuffix("_flow")
+        lines = [e for e in entries if e[0] == f"flows/{path.name}" or
+                 (e[0] == "sfm" and [_strip(t) for t in e[1:3]] == ["flow", name])]
         flags = {f for e in lines for t in e for f in re.findall(r"--[\w-]+", t)}
         params = [p for _, p in flow_class(path)._get_parameters()]
         wanted = ["--" + p.name for p in params if not p.IS_CONFIG_PARAMETER]
@@ -553,17 +566,25 @@ def test_the_checker_knows_what_the_parsers_know():
         "python flows/pretrain_flow.py card veiw evaluate": "no subcommand 'veiw'",
         "python flows/predict_flow.py run --model m --survey s": "--out is missing",
         "python flows/finetune_flow.py run --held-out 0.2 --tsk binary": "no such option --tsk",
+        "sfm flow predict run --model m --survey s": "--out is missing",
+        "sfm flow finetune run --held-out 0.2 --tsk binary": "no such option --tsk",
+        "sfm flow pretrian run": "'pretrian' is not one of",
+        "sfm flow pretrain --config my.toml run": "--config takes NAME FILE",
+        "sfm flow pretrain --with kubernetes": "no subcommand given",
     }
     for text, expected in cases.items():
         problems = problems_of(as_command(text))
         assert any(expected in p for p in problems), (text, problems)
     fine = ["sfm registry list|show|promote|load [--data-root DATA_ROOT] [--model NAME]",
             "sfm train (--data-root ROOT [--held-out NAMES] | --surveys STORES) --run-root URL [--nodes N]",
-            "python flows/pretrain_flow.py --config config configs/hyperpod_p5en.toml --with kubernetes run --nodes 2",
+            "python flows/pretrain_flow.py --config config sfm/configs/hyperpod_p5en.toml --with kubernetes run --nodes 2",
             "python flows/pretrain_flow.py --datastore s3 argo-workflows create --only-json",
             "python flows/pretrain_flow.py resume",
             "python flows/predict_flow.py run ... --with kubernetes:gpu=1",
-            "sfm --allow-insecure-s3 registry list"]
+            "sfm --allow-insecure-s3 registry list",
+            "sfm flow pretrain --config config quality_cpu run --max-steps 5",
+            "sfm --allow-insecure-s3 flow predict resume",
+            "sfm flow pretrain|finetune|predict [--config config FILE|NAME] run|resume ..."]
     for text in fine:
         assert problems_of(as_command(text)) == [], text
 
