@@ -58,7 +58,7 @@ from sfm.config import EvalConfig, FinetuneConfig
 from sfm.eval.labelled import (Held, Volume, budget_volumes, evaluation_pool, evaluation_test,
                                evaluation_validation, random_crops, split_for_validation, whole)
 from sfm.finetune.fault_scores import average_precision, scores
-from sfm.finetune.loop import balanced_bce, planned_steps, probe_then_fine_tune
+from sfm.finetune.loop import RunHooks, Schedule, balanced_bce, planned_steps, probe_then_fine_tune
 from sfm.model.segmenter import Segmenter, Task
 from sfm.predict.windows import WindowGrid, add_window, cut_window, predict_volume
 from sfm.progress import Progress
@@ -83,11 +83,11 @@ def validation_ap(net: Segmenter, held: list[Held], recipe: FinetuneConfig) -> f
     return average_precision(np.concatenate(probs), np.concatenate([h.faults[h.first:].ravel() for h in held]))
 
 
-def fine_tune_on_volumes(mae: nn.Module, train: list[Volume], recipe: FinetuneConfig, seed: int, *, lr: float,
-                         steps: int, head: nn.Linear | None = None, held: list[Held] | None = None,
+def fine_tune_on_volumes(mae: nn.Module, train: list[Volume], recipe: FinetuneConfig, seed: int, schedule: Schedule,
+                         *, head: nn.Linear | None = None, held: list[Held] | None = None,
                          progress: str = "") -> Segmenter:
     """Train ``Segmenter(mae)`` with the recipe's head (in place: ``mae`` is changed) on random crops of ``train``
-    for ``steps`` steps at peak rate ``lr`` (:func:`sfm.finetune.loop.probe_then_fine_tune`), the linear head
+    on ``schedule`` (its peak rate and steps: :func:`sfm.finetune.loop.probe_then_fine_tune`), the linear head
     starting from ``head`` if given (a linear probe of the frozen tokens: LP-FT), any other head probed on the
     frozen encoder first (``recipe.linear_first``).
 
@@ -115,9 +115,9 @@ def fine_tune_on_volumes(mae: nn.Module, train: list[Volume], recipe: FinetuneCo
 
     counted = (lambda total, phase: Progress(total, progress if phase == "fine-tune" else f"{progress}: {phase}")
                ) if progress else None
-    probe_then_fine_tune(net, recipe, batches, loss_of, lr=lr, steps=steps,
+    probe_then_fine_tune(net, recipe, batches, loss_of, schedule,
                          validate=(lambda n: validation_ap(n, held, recipe)) if held else None,
-                         probed=head is not None, progress=counted)
+                         probed=head is not None, hooks=RunHooks(progress=counted))
     return net
 
 
@@ -131,7 +131,7 @@ def supervised_pretrain(mae: nn.Module, volumes: list[Volume], recipe: FinetuneC
     over random initialisation is what the evaluation can reward at each budget (a reference scale for
     the self-supervised gain, given labelled volumes outside the pool, test and validation sets)."""
     fine_tune_on_volumes(mae, volumes, replace(recipe, layer_decay=1.0, linear_first=False, head="linear"), seed,
-                         lr=lr, steps=steps)
+                         Schedule(lr, steps))
     return mae
 
 
@@ -363,7 +363,7 @@ def one_run(cfg, state: dict | None, volumes: RunVolumes, ev: EvalConfig, seed: 
     best = None
     for k, lr in enumerate(rates):
         name = f"downstream budget {len(train)} seed {seed} {init}{f' lr {lr:g}' if len(rates) > 1 else ''}: fine-tune"
-        net = fine_tune_on_volumes(mae if k == 0 else encoder(), fit, recipe, seed, lr=lr, steps=steps, head=start,
+        net = fine_tune_on_volumes(mae if k == 0 else encoder(), fit, recipe, seed, Schedule(lr, steps), head=start,
                                    held=held, progress=name)
         score = max((s for _, s in net.validation), default=None)  # None: no validation labels, one rate
         if best is None or score > best[0]:

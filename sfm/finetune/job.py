@@ -38,7 +38,7 @@ from sfm.config import LABEL_IGNORE, FinetuneConfig, JobConfig
 from sfm.distributed.job import JobFile
 from sfm.distributed.launch import job_file_main
 from sfm.errors import SFMError
-from sfm.finetune.loop import class_weights, masked_loss, planned_steps, probe_then_fine_tune
+from sfm.finetune.loop import RunHooks, Schedule, class_weights, masked_loss, planned_steps, probe_then_fine_tune
 from sfm.finetune.samples import LabelledCrops, LabelledSurveys, Split, finetune_data, split_roles
 from sfm.finetune.scores import validation_score
 from sfm.model.segmenter import Segmenter, Task, save_segmenter
@@ -214,13 +214,15 @@ def finetune_runs(job: FinetuneJob, rank: int = 0, world: int = 1) -> dict[str, 
             started = time.perf_counter()
             net = arm.build(task, seed)
             name, tag = f"fine-tune {arm.kind} seed {seed} lr {lr:g}", f"{arm.kind}/seed{seed}/lr{lr:g}"
-            probe = probe_then_fine_tune(
-                net, ft, lambda step: tuple(torch.from_numpy(x) for x in crops.batch(step)), loss_of, lr=lr,
-                steps=steps, validate=validate, wrap=lambda n, frozen: wrapped(n, world, frozen),
+            hooks = RunHooks(
+                wrap=lambda n, frozen: wrapped(n, world, frozen),
                 progress=lambda total, phase: Progress(total, f"{name}: {phase}" if phase != "fine-tune" else name,
                                                        every_s=cfg.train.log_every_s, enabled=rank == 0),
-                track=lambda phase: trackers.under(f"{tag}/{'probe' if phase == 'linear probe' else 'finetune'}"),
-                deadline=started + share if share else None, agree=lambda n: fewest_over_ranks(n, world))
+                track=lambda phase: trackers.under(f"{tag}/{'probe' if phase == 'linear probe' else 'finetune'}"))
+            schedule = Schedule(lr, steps, deadline=started + share if share else None,
+                                agree=lambda n: fewest_over_ranks(n, world))
+            probe = probe_then_fine_tune(net, ft, lambda step: tuple(torch.from_numpy(x) for x in crops.batch(step)),
+                                         loss_of, schedule, validate=validate, hooks=hooks)
             for step, value in net.validation:
                 trackers.log({f"{tag}/finetune/validation_score": value}, step)
             score = max((s for _, s in net.validation), default=None)  # None: no validation labels, one rate

@@ -17,13 +17,16 @@
   :class:`sfm.progress.Progress` (plain lines every few seconds when the output is not a terminal).
 
 A ``recipe`` is a :class:`sfm.config.FinetuneConfig` (the fine-tune flow's ``[finetune]``, the evaluation's
-``[eval.finetune]``); a run's peak rate and steps are given apart (:func:`planned_steps`, the grids of rates).
+``[eval.finetune]``); a run's peak rate, steps and time budget are its :class:`Schedule` (:func:`planned_steps`, the
+grids of rates).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -143,27 +146,51 @@ def reporting(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], pro
     return counted
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """One phase of a fine-tuning run: its peak rate ``lr`` and ``steps`` (warm-up then cosine over them), whether
+    only the head learns (``freeze_encoder``: the linear probe), and the time budget it keeps: ``deadline`` (a
+    ``time.perf_counter()`` value; None: none), with ``agree(steps)`` the steps every rank runs where each measured
+    its own pace (the job's: the fewest any rank would; None: one process)."""
+
+    lr: float
+    steps: int
+    freeze_encoder: bool = False
+    deadline: float | None = None
+    agree: Callable[[int], int] | None = None
+
+
+@dataclass(frozen=True)
+class RunHooks:
+    """What a run reports to and runs through: ``wrap(net, freeze_encoder)`` the module that runs the batches (DDP;
+    None: ``net``), ``progress(total, phase)`` a Progress counting a phase's steps (phases ``linear probe`` and
+    ``fine-tune``; None: no count, no loss shown), ``track(phase)`` where that phase's losses go (:func:`reporting`)."""
+
+    wrap: Callable[[Segmenter, bool], nn.Module] | None = None
+    progress: Callable[[int, str], Progress] | None = None
+    track: Callable[[str], Callable[[dict[str, float], int], None] | None] | None = None
+
+
 def train_steps(net: Segmenter, recipe, batches: Batches, loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                *, lr: float, steps: int, forward: nn.Module | None = None, freeze_encoder: bool = False,
-                validate: Callable[[Segmenter], float] | None = None, score_start: bool = False,
-                deadline: float | None = None, agree: Callable[[int], int] | None = None) -> Segmenter:
-    """Fine-tune ``net`` (in place) for ``steps`` steps at peak rate ``lr`` on ``batches(step)``, minimising
-    ``loss_of(logits, labels)``; ``forward`` runs the batches (a DistributedDataParallel wrapper of ``net``;
-    default ``net`` itself). With ``freeze_encoder`` only the head learns.
+                schedule: Schedule, *, forward: nn.Module | None = None,
+                validate: Callable[[Segmenter], float] | None = None, score_start: bool = False) -> Segmenter:
+    """Fine-tune ``net`` (in place) for ``schedule.steps`` steps at peak rate ``schedule.lr`` on ``batches(step)``,
+    minimising ``loss_of(logits, labels)``; ``forward`` runs the batches (a DistributedDataParallel wrapper of ``net``;
+    default ``net`` itself). With ``schedule.freeze_encoder`` only the head learns.
 
     With ``validate`` (``net`` -> score, higher is better), ``net`` is scored every ``recipe.validate_every``
     steps, at the last step, and with ``score_start`` before the first (LP-FT: the linear probe itself is a
     candidate), and ends with the weights of the best score (early stopping); ``net.chosen_step`` says which
     step that was (the last step without validation) and ``net.validation`` lists every (step, score).
 
-    ``deadline`` (a ``time.perf_counter()`` value): at every ``validate_every`` steps the pace so far (validation
-    included) is measured, and when the remaining steps would end past the deadline they are cut to what fits
-    (at least the steps done); ``net.steps_run`` says how many ran. Every rank must run as many steps: under DDP
-    ``agree(steps)`` returns what all ranks run (the job's: the fewest any rank would).
+    With ``schedule.deadline``: at every ``validate_every`` steps the pace so far (validation included) is measured,
+    and when the remaining steps would end past the deadline they are cut to what fits (at least the steps done;
+    every rank as many, ``schedule.agree``); ``net.steps_run`` says how many ran.
     """
     forward = forward if forward is not None else net
-    set_trainable(net, freeze_encoder)
-    optimizer = optimizer_for(net, recipe, lr, freeze_encoder=freeze_encoder)
+    steps, lr = schedule.steps, schedule.lr
+    set_trainable(net, schedule.freeze_encoder)
+    optimizer = optimizer_for(net, recipe, lr, freeze_encoder=schedule.freeze_encoder)
     best: tuple[float, int, dict | None] = (-math.inf, steps, None)
     history: list[tuple[int, float]] = []
     started = time.perf_counter()
@@ -190,10 +217,10 @@ def train_steps(net: Segmenter, recipe, batches: Batches, loss_of: Callable[[tor
         optimizer.step()
         step += 1
         checkpoint = step % recipe.validate_every == 0
-        if deadline is not None and checkpoint and step < steps:
+        if schedule.deadline is not None and checkpoint and step < steps:
             pace = (time.perf_counter() - started) / step
-            fits = max(step, min(steps, int((deadline - started) / pace)))
-            steps = agree(fits) if agree is not None else fits
+            fits = max(step, min(steps, int((schedule.deadline - started) / pace)))
+            steps = schedule.agree(fits) if schedule.agree is not None else fits
         if validate is not None and (checkpoint or step == steps):
             best = score_step(step)
     if best[2] is not None:
@@ -203,32 +230,28 @@ def train_steps(net: Segmenter, recipe, batches: Batches, loss_of: Callable[[tor
     return net
 
 
-def probe_then_fine_tune(net: Segmenter, recipe, batches: Batches, loss_of, *, lr: float, steps: int,
+def probe_then_fine_tune(net: Segmenter, recipe, batches: Batches, loss_of, schedule: Schedule, *,
                          validate: Callable[[Segmenter], float] | None = None, probed: bool = False,
-                         wrap: Callable[[Segmenter, bool], nn.Module] | None = None,
-                         progress: Callable[[int, str], Progress] | None = None,
-                         track: Callable[[str], Callable[[dict[str, float], int], None] | None] | None = None,
-                         deadline: float | None = None, agree: Callable[[int], int] | None = None) -> int:
+                         hooks: RunHooks = RunHooks()) -> int:
     """LP-FT on ``net`` (in place): ``recipe.probe_steps`` steps of the head alone on the frozen encoder at
     ``recipe.probe_lr`` (when ``recipe.linear_first``, the network has an encoder, and the head is not
-    ``probed`` already), then ``steps`` steps of the whole network at ``lr`` with early stopping on ``validate``
-    (the probed head a candidate too) within ``deadline`` (:func:`train_steps`, with ``agree``). The probe reads
-    batches 0, 1, ...; fine-tuning the ones after them, so no crop is drawn twice. ``wrap(net, freeze_encoder)``:
-    what runs the batches (DDP; default ``net``); ``progress(total, phase)``: a Progress counting a phase's steps
-    (phases ``linear probe`` and ``fine-tune``), closed after it; ``track(phase)``: where that phase's losses go
-    (:func:`reporting`; None: nowhere). Returns the probe steps run."""
-    wrap = wrap or (lambda n, frozen: n)
+    ``probed`` already), then the whole network on ``schedule`` with early stopping on ``validate`` (the probed head
+    a candidate too), both within ``schedule.deadline`` (:func:`train_steps`). The probe reads batches 0, 1, ...;
+    fine-tuning the ones after them, so no crop is drawn twice. ``hooks``: what runs the batches, counts the steps
+    and takes the losses. Returns the probe steps run."""
+    wrap = hooks.wrap or (lambda n, frozen: n)
     probe = recipe.probe_steps if recipe.linear_first and net.mae is not None and not probed else 0
 
-    def phase(name: str, total: int, first: int, **kw) -> None:
-        bar = progress(total, name) if progress is not None else None
-        counted = reporting(loss_of, bar, track(name) if track is not None else None) if bar is not None else loss_of
-        train_steps(net, recipe, lambda step: batches(first + step), counted, steps=total,
-                    forward=wrap(net, kw.get("freeze_encoder", False)), deadline=deadline, agree=agree, **kw)
+    def phase(name: str, plan: Schedule, first: int, **kw) -> None:
+        bar = hooks.progress(plan.steps, name) if hooks.progress is not None else None
+        track = hooks.track(name) if hooks.track is not None else None
+        counted = reporting(loss_of, bar, track) if bar is not None else loss_of
+        train_steps(net, recipe, lambda step: batches(first + step), counted, plan,
+                    forward=wrap(net, plan.freeze_encoder), **kw)
         if bar is not None:
             bar.close()
 
     if probe:
-        phase("linear probe", probe, 0, lr=recipe.probe_lr, freeze_encoder=True)
-    phase("fine-tune", steps, probe, lr=lr, validate=validate, score_start=(probe > 0 or probed))
+        phase("linear probe", dataclasses.replace(schedule, lr=recipe.probe_lr, steps=probe, freeze_encoder=True), 0)
+    phase("fine-tune", schedule, probe, validate=validate, score_start=(probe > 0 or probed))
     return probe

@@ -13,6 +13,7 @@ import torch
 from sfm.config import EvalConfig, JobConfig, quick_recipe
 from sfm.errors import SFMError
 from sfm.eval import downstream, labelled
+from sfm.finetune.loop import Schedule
 from sfm.model import mae_config
 from sfm.model.mae import MaskedAutoencoder3D
 
@@ -125,7 +126,7 @@ def test_fine_tuning_keeps_the_step_with_the_best_validation_score(volumes):
     mae = MaskedAutoencoder3D(mae_config("tiny", **TINY))
     recipe = replace(quick_recipe(), batch_size=2, validate_every=4, linear_first=False)
     fit, held = labelled.split_for_validation(train, recipe.validation, mae.cfg.crop)
-    net = downstream.fine_tune_on_volumes(mae, fit, recipe, seed=0, lr=1e-3, steps=12, held=held)
+    net = downstream.fine_tune_on_volumes(mae, fit, recipe, 0, Schedule(1e-3, 12), held=held)
     steps, aps = zip(*net.validation)
     assert steps == (4, 8, 12)
     assert net.chosen_step == steps[int(np.argmax(aps))]
@@ -140,7 +141,7 @@ def test_with_a_linear_probe_to_start_from_the_probe_itself_is_a_candidate(fault
     fit, held = labelled.split_for_validation(train, 0.25, TINY["crop"])
     mae = copy.deepcopy(fault_trained_encoder)
     head = downstream.train_linear_head(*downstream.tokens_of(mae, fit)[:2], seed=0)
-    net = downstream.fine_tune_on_volumes(mae, fit, recipe, seed=0, lr=5e-2, steps=8, head=head, held=held)
+    net = downstream.fine_tune_on_volumes(mae, fit, recipe, 0, Schedule(5e-2, 8), head=head, held=held)
     steps, aps = zip(*net.validation)
     assert steps == (0, 4, 8)
     assert net.chosen_step == steps[int(np.argmax(aps))]
@@ -162,8 +163,8 @@ def test_separate_validation_volumes_stop_early_and_leave_the_whole_budget_to_fi
     seen = []
     real = downstream.fine_tune_on_volumes
 
-    def spy(mae, train, recipe, seed, **kw):
-        net = real(mae, train, recipe, seed, **kw)
+    def spy(mae, train, recipe, seed, schedule, **kw):
+        net = real(mae, train, recipe, seed, schedule, **kw)
         seen.append((train, kw["held"], net))
         return net
 
