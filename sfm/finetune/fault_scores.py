@@ -83,6 +83,20 @@ def ball(radius: float) -> np.ndarray:
     return i * i + j * j + k * k <= radius * radius
 
 
+def dilate(mask: np.ndarray, structure: np.ndarray) -> np.ndarray:
+    """The voxels of ``mask`` [D, H, W] bool grown by ``structure`` [2r + 1] * 3 bool (centred): True wherever a True
+    voxel of ``mask`` lies at one of the structure's offsets (a binary dilation; the volume's edge bounds it)."""
+    out = np.zeros_like(mask)
+    if not mask.any():
+        return out
+    r = structure.shape[0] // 2
+    for offset in np.argwhere(structure) - r:
+        target = tuple(slice(max(0, o), n + min(0, o)) for o, n in zip(offset, mask.shape))
+        source = tuple(slice(max(0, -o), n - max(0, o)) for o, n in zip(offset, mask.shape))
+        out[target] |= mask[source]
+    return out
+
+
 def tolerant_counts(pred: np.ndarray, faults: np.ndarray, labelled: np.ndarray | None = None,
                     tolerance: float = TOLERANCE) -> np.ndarray:
     """The hits of one volume at ``tolerance``: [predicted fault voxels within ``tolerance`` of a labelled fault,
@@ -90,14 +104,11 @@ def tolerant_counts(pred: np.ndarray, faults: np.ndarray, labelled: np.ndarray |
     (int64 [4]; sum them over volumes, then :func:`tolerant_f1`). ``pred``, ``faults`` bool [D, H, W] (any 3D
     shape); ``labelled`` bool [D, H, W]: the voxels someone interpreted (default: all). Both sides count only
     labelled voxels, so with labels on a few lines the distances are taken within those lines."""
-    from scipy.ndimage import binary_dilation
-
     pred, faults = np.asarray(pred, bool), np.asarray(faults, bool)
     if labelled is not None:
         pred, faults = pred & labelled, faults & labelled
     near = ball(tolerance)
-    near_fault = binary_dilation(faults, near) if faults.any() else np.zeros_like(faults)
-    near_pred = binary_dilation(pred, near) if pred.any() else np.zeros_like(pred)
+    near_fault, near_pred = dilate(faults, near), dilate(pred, near)
     return np.array([np.count_nonzero(near_fault & pred), np.count_nonzero(pred),
                      np.count_nonzero(near_pred & faults), np.count_nonzero(faults)], np.int64)
 
