@@ -157,11 +157,12 @@ def run_variant(args: tuple) -> dict:
 
     job = JobConfig.from_toml(CONFIG)
     v = {**recipe_for(job, smoke), **over}
-    recipe = dataclasses.replace(downstream.recipe_of(job.eval), probes=False, budgets=(1, 4) if smoke else (1, 4, 16))
+    recipe = dataclasses.replace(job.eval, probes=False, budgets=(1, 4) if smoke else (1, 4, 16))
     seeds = 1 if smoke else recipe.seeds
     if smoke:
-        recipe = dataclasses.replace(recipe, steps=4, validate_every=2, test_volumes=1, validation_volumes=1,
-                                     pool_volumes=4, volume=(32, 32, 64), probe_steps=10, test_augment=False)
+        recipe = dataclasses.replace(recipe, test_volumes=1, validation_volumes=1, pool_volumes=4, volume=(32, 32, 64),
+                                     finetune=dataclasses.replace(recipe.finetune, steps=4, validate_every=2,
+                                                                  mirror=False))
     pool, test, validation = evaluation_pool(recipe), evaluation_test(recipe), evaluation_validation(recipe)
     t0 = time.perf_counter()
     record = {"name": name, "overrides": over}

@@ -99,8 +99,7 @@ def main() -> None:
         version_url, flow_seconds = run_quality_flow(Path(args.config), workdir)
     record = json.loads(storage.read_bytes(storage.join(version_url, "version.json")))
     cfg = JobConfig.from_dict(record["config"])
-    recipe = downstream.recipe_of(cfg.eval)
-    recipe.budgets = tuple(int(b) for b in args.budgets.split(","))
+    recipe = replace(cfg.eval, budgets=tuple(int(b) for b in args.budgets.split(",")))  # the version's evaluation
     model = load(version_url)
     print(f"quality: {version_url}: {model.cfg.to_dict()}", file=sys.stderr)
 
@@ -134,7 +133,7 @@ def main() -> None:
         encoder = downstream.supervised_pretrain(
             MaskedAutoencoder3D(model.cfg), labelled.labelled_volumes(args.reference_volumes, recipe.volume,
                                                                       labelled.REFERENCE_SEED),
-            recipe, steps=args.reference_steps, lr=args.reference_lr)
+            recipe.finetune, steps=args.reference_steps, lr=args.reference_lr)
         reference = downstream.evaluate_downstream(encoder, fine_tuned_only, pool=pool, test=test,
                                                    validation=validation, random_arm=result,
                                                    log=lambda line: print(f"reference: {line}", file=sys.stderr))

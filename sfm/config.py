@@ -14,15 +14,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
-from sfm.config_values import (at_least, check_device, coerce, field_types, fraction_in, one_of, parse_literal,
-                               split_assignments, toml_text)
+from sfm.config_downstream import (LABELLED_VOLUME, PREDICT_OUTPUTS, EvalConfig, FinetuneConfig,  # noqa: F401
+                                   PredictConfig, RegistryConfig, RetrainConfig, quick_recipe)  # (sfm.config has all)
+from sfm.config_values import (AUGMENTATIONS, LAYOUTS, at_least, coerce, field_types, fraction_in, one_of,
+                               parse_literal, split_assignments, toml_text)
 from sfm.errors import SFMError
 
 DEFAULT_TOML = Path(str(resources.files("sfm") / "default.toml"))  # inside the package, also when installed
 CONFIGS_DIR = Path(str(resources.files("sfm") / "configs"))  # example job configs, named by config_file()
 DATA_ROOT = "sfm_data"  # the data root of every command and flow that is given none (--data-root)
 # data.augment: what sfm.data.crops may apply per crop (the last two: time axis reversed, polarity inverted)
-AUGMENTATIONS = ("flip_inline", "flip_crossline", "swap", "reverse_time", "invert_polarity")
 ALIGNMENTS = ("voxel", "brick")  # data.align: crop origins anywhere, or on the store's brick grid
 CLIENTS = ("auto", "http", "obstore", "fsspec")  # data.client: how the loader reads S3
 BATCH_DTYPES = ("float32", "float16", "int8")  # data.batch_dtype: the crops' value type (int8: stored values)
@@ -100,7 +101,6 @@ class IngestConfig:
 CODEC_NAMES = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
 INGEST_DTYPES = ("float32", "float16", "int8")
 NONFINITE_POLICIES = ("replace", "refuse")
-LAYOUTS = ("sfm", "mdio")  # ingest.layout
 DOMAINS = ("time", "depth")  # ingest.domain
 
 
@@ -305,146 +305,12 @@ class ClusterConfig:
 
 
 @dataclass
-class EvalConfig:
-    """Held-out reconstruction (``crops``) and the downstream evaluation (sfm.eval.downstream): the encoder
-    fine-tuned for fault segmentation against random initialisation at each label budget."""
-
-    crops: int = 16
-    batch_size: int = 8
-    seed: int = 1234
-    downstream: bool = True  # false: reconstruction metrics only (fast test runs)
-    budgets: tuple[int, ...] = (1, 4)  # labelled volumes per fine-tuning run (benchmarks/quality.py: 1, 4, 16)
-    seeds: int = 3  # paired seeds per budget (pretrained and random see the same crops)
-    pool_volumes: int = 0  # labelled volumes the budgets draw from; 0: the largest budget (whatever budgets
-    # a run evaluates, the same pool_volumes give every budget the same draws: flow and benchmark agree)
-    test_volumes: int = 4  # held-out labelled volumes, seeds disjoint from the labelled pool's
-    volume: tuple[int, int, int] = (64, 64, 64)  # labelled volume shape (IL, XL, NS)
-    finetune_steps: int = 60
-    finetune_batch: int = 4
-    finetune_lr: float = 1e-3  # the head's; encoder layer k of d learns at lr * layer_decay^(d + 1 - k)
-    layer_decay: float = 0.75
-    finetune_lr_random: float = 0.0  # the random-init arm's own peak lr (0: finetune_lr): a baseline at the
-    # pretrained encoder's lr is under-trained (MAE tunes its from-scratch baselines separately)
-    probes: bool = True  # frozen linear-head and kNN probes too
-    knn: int = 16  # neighbours of the kNN probe
-    validation: float = 0.25  # early stopping on this fraction of each labelled volume's inlines (0: none)
-    validate_every: int = 25  # fine-tuning steps between validation scores
-    validation_volumes: int = 0  # early stopping on this many separate labelled volumes, the whole budget
-    # fine-tuned (seeds disjoint from pool and test); 0: on the ``validation`` fraction of each budget volume
-    test_augment: bool = True  # fine-tuned networks score the test volumes with sliding windows every half
-    # crop and the 8 inline/crossline mirrorings averaged (nnU-Net's inference); early stopping scores plainly
-
-    def check(self) -> None:
-        """Every setting valid, or SFMError naming it and the fix."""
-        at_least("eval", self, {"crops": 1, "seeds": 1, "test_volumes": 1, "finetune_steps": 1, "finetune_batch": 1,
-                                 "validate_every": 1, "pool_volumes": 0, "validation_volumes": 0,
-                                 "finetune_lr_random": 0})
-        if any(b < 1 for b in self.budgets):
-            raise SFMError(f"eval.budgets = {list(self.budgets)} must be positive numbers of labelled volumes")
-        if not self.finetune_lr > 0:
-            raise SFMError(f"eval.finetune_lr = {self.finetune_lr} must be > 0")
-        fraction_in("eval.validation", self.validation, "[)",
-                  "the held-out fraction of each labelled volume; 0: no early stopping")
-
-
-@dataclass
-class FinetuneConfig:
-    """The fine-tune flow (flows/finetune_flow.py, sfm.finetune): the downstream evaluation's recipe on labelled
-    surveys (LP-FT, layer decay, early stopping, augmentation); defaults are the evaluation's."""
-
-    steps: int = EvalConfig.finetune_steps
-    batch_size: int = EvalConfig.finetune_batch  # per rank
-    lr: float = EvalConfig.finetune_lr  # the head's peak lr; encoder layer k of d: lr * layer_decay^(d + 1 - k)
-    lr_random: float = EvalConfig.finetune_lr_random  # --encoder random's own peak lr (0: lr)
-    layer_decay: float = EvalConfig.layer_decay
-    weight_decay: float = 0.05
-    warmup_fraction: float = 0.1
-    linear_first: bool = True  # LP-FT: probe_steps of the head alone on the frozen encoder first, at probe_lr
-    probe_steps: int = 50
-    probe_lr: float = 1e-2
-    validate_every: int = EvalConfig.validate_every
-    validation: float = EvalConfig.validation  # early stopping on this fraction of the training labelled lines
-    held_out: float = 0.2  # without --held-out surveys: this fraction of the labelled lines is held out to score
-    head: str = "linear"  # linear (per token) | unetr (light decoder over several blocks; BENCHMARKS.md)
-    head_width: int = 16  # the unetr decoder's channels
-    test_augment: bool = EvalConfig.test_augment  # held-out predictions: sliding windows and mirrorings
-    seed: int = 0  # crops, their augmentation, the head's (and a random encoder's) initialisation
-    augment: str = ",".join(AUGMENTATIONS)  # data.augment of the fine-tuning crops
-
-    def check(self) -> None:
-        """Every setting valid, or SFMError naming it and the fix."""
-        at_least("finetune", self, {"steps": 1, "batch_size": 1, "validate_every": 1, "probe_steps": 0,
-                                     "head_width": 1, "lr_random": 0})
-        if not (self.lr > 0 and self.probe_lr > 0):
-            raise SFMError(f"finetune.lr = {self.lr} and finetune.probe_lr = {self.probe_lr} must be > 0")
-        fraction_in("finetune.validation", self.validation, "[)", "the labelled lines early stopping scores")
-        fraction_in("finetune.held_out", self.held_out, "()", "the labelled lines held out to score the model")
-        one_of("finetune.head", self.head, ("linear", "unetr"))
-
-
-@dataclass
-class PredictConfig:
-    """How a task model predicts a whole survey (``sfm predict``, the predict flow: :class:`sfm.predict.PredictOptions`
-    takes its defaults from here)."""
-
-    output: str = "probability"  # probability (float32; binary tasks: of class 1) | classes (uint8)
-    mirror: bool = False  # test-time mirroring: inline/crossline flips (and swap) averaged; 4-8x the work
-    layout: str = "sfm"  # sfm | mdio: also what MDIO's tools read and export
-    parts: int = 1  # tasks (or GPUs) the survey is split into, runs of whole shard rows
-    overlap: float = 0.5  # of a crop, between neighbouring windows
-    batch_size: int = 8  # windows per network call
-    device: str = "auto"  # auto (a GPU if there is one) | cpu | cuda | cuda:N
-
-    def check(self) -> None:
-        """Every setting valid, or SFMError naming it and the fix."""
-        one_of("predict.output", self.output, PREDICT_OUTPUTS)
-        one_of("predict.layout", self.layout, LAYOUTS)
-        fraction_in("predict.overlap", self.overlap, "[)", "the overlap of neighbouring windows, of a crop")
-        at_least("predict", self, {"parts": 1, "batch_size": 1})
-        check_device(self.device)
-
-
-PREDICT_OUTPUTS = ("probability", "classes")  # predict.output
-
-
-@dataclass
 class SynthConfig:
     """The surveys generated into <data-root>/landing when a run names none (sfm.synth.survey)."""
 
     train_surveys: int = 2
     held_out_surveys: int = 1
     shape: tuple[int, int, int] = (64, 64, 128)  # IL, XL, NS of each
-
-
-@dataclass
-class RegistryConfig:
-    model_name: str = "sfm-mae"
-    margin: float = 0.0
-    # what makes a champion: a held-out metric every version records, e.g. masked_nmse or ft_ap_gain_b4;
-    # lower is better for names ending in nmse, loss or error, higher for the others (sfm.model.registry.Champion)
-    champion_metric: str = "masked_nmse"
-    # an MLflow tracking server every registered version is also logged to, and whose "champion" alias follows
-    # the champion (http(s)://host:port, a SageMaker MLflow tracking server's ARN with sagemaker-mlflow, ...);
-    # "": MLFLOW_TRACKING_URI if set, else none. The registry stays the source of truth (sfm.model.mlflow_sync)
-    mlflow_uri: str = ""
-
-    def check(self) -> None:
-        """A tracking URI without credentials (the job config travels: flow artifacts, the exported model's
-        config.json, the registry's records), or SFMError."""
-        from urllib.parse import urlsplit
-
-        parts = urlsplit(self.mlflow_uri)
-        if parts.username or parts.password or parts.query:
-            raise SFMError("registry.mlflow_uri carries credentials (user:password@ or a query), which the job config "
-                           "would spread; give them as MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or "
-                           "MLFLOW_TRACKING_TOKEN and keep the URI bare")
-
-
-@dataclass
-class RetrainConfig:
-    schedule: str = "weekly"  # hourly | daily | weekly | a cron expression | "" (no schedule) on Argo Workflows
-    event: str = "sfm-new-survey"  # Argo Events event that triggers a run (`sfm watch --publish-event` sends it)
-    max_attempts: int = 3  # failed runs over the same new survey before `sfm watch` quarantines it
 
 
 @dataclass
@@ -545,14 +411,18 @@ class JobConfig:
                            "node); choose a cp that divides it")
 
     def set(self, dotted: str, value: Any) -> None:
+        """Set ``section.key`` (or ``section.table.key`` in a nested table, e.g. ``eval.finetune.steps``; a whole
+        table from a dict) to ``value``, coerced to the field's type. A key renamed since (:data:`RENAMED`) is
+        read as its new name."""
+        if dotted in RENAMED:
+            dotted, value = RENAMED[dotted](value)
+            if dotted is None:
+                return
         section_name, _, key = dotted.partition(".")
         section = getattr(self, section_name, None)
         if section is None or not dataclasses.is_dataclass(section):
             raise SFMError(f"unknown config key '{dotted}'; sections are {', '.join(_section_names())}")
-        hints = field_types(type(section))
-        if key not in hints:
-            raise SFMError(f"unknown config key '{dotted}'; valid keys in [{section_name}]: {', '.join(hints)}")
-        setattr(section, key, coerce(dotted, hints[key], value))
+        _set_key(section, section_name, key, value)
 
     # ---- output -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -566,13 +436,54 @@ class JobConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
+def _set_key(section: Any, prefix: str, key: str, value: Any) -> None:
+    """``section``'s field ``key`` (``table.key`` for a nested section) = ``value``; ``prefix`` names it in errors."""
+    name, _, rest = key.partition(".")
+    hints = field_types(type(section))
+    if name not in hints:
+        raise SFMError(f"unknown config key '{prefix}.{key}'; valid keys in [{prefix}]: {', '.join(hints)}")
+    if dataclasses.is_dataclass(hints[name]):  # a nested table, e.g. [eval.finetune]
+        table = getattr(section, name)
+        if rest:
+            _set_key(table, f"{prefix}.{name}", rest, value)
+        elif isinstance(value, dict):
+            for inner, v in value.items():
+                _set_key(table, f"{prefix}.{name}", inner, v)
+        else:
+            raise SFMError(f"config key '{prefix}.{name}' is a table ([{prefix}.{name}]); set its keys, e.g. "
+                           f"{prefix}.{name}.steps=100")
+        return
+    if rest:
+        raise SFMError(f"unknown config key '{prefix}.{key}'; '{prefix}.{name}' is not a table")
+    setattr(section, name, coerce(f"{prefix}.{name}", hints[name], value))
+
+
+def _renamed(new: str, drop_zero: bool = False):
+    return lambda value: (None, None) if drop_zero and not value else (new, value)
+
+
+# keys of configs written before issue 54 (a registered version's record, a user's file), read as what replaced
+# them: the evaluation's recipe is now a FinetuneConfig ([eval.finetune]); a peak rate, a grid of rates (a rate of
+# 0, "the pretrained arm's", is left to the default grid); test-time augmentation, mirroring
+RENAMED = {
+    "eval.finetune_steps": _renamed("eval.finetune.steps"), "eval.finetune_batch": _renamed("eval.finetune.batch_size"),
+    "eval.finetune_lr": _renamed("eval.finetune.lrs"),
+    "eval.finetune_lr_random": _renamed("eval.finetune.lrs_random", drop_zero=True),
+    "eval.layer_decay": _renamed("eval.finetune.layer_decay"), "eval.validation": _renamed("eval.finetune.validation"),
+    "eval.validate_every": _renamed("eval.finetune.validate_every"),
+    "eval.test_augment": _renamed("eval.finetune.mirror"), "finetune.lr": _renamed("finetune.lrs"),
+    "finetune.lr_random": _renamed("finetune.lrs_random", drop_zero=True),
+    "finetune.test_augment": _renamed("finetune.mirror"),
+}
+
 # the flows' and the CLI's named parameters (``--max-steps``: max_steps), each the config key it sets
 PARAMETERS = {"preset": "model.preset", "max_steps": "train.max_steps", "nodes": "dist.nodes",
               "procs_per_node": "dist.procs_per_node", "cp": "dist.cp", "strategy": "dist.strategy",
               "launcher": "dist.launcher", "accelerate_config": "dist.accelerate_config",
               "ingest_parts": "ingest.parts", "init_from": "train.init_from", "seed": "finetune.seed",
-              **{key: f"predict.{key}" for key in ("output", "mirror", "layout", "parts", "overlap", "batch_size",
-                                                   "device")}}
+               "seeds": "finetune.seeds",
+               **{key: f"predict.{key}" for key in ("output", "mirror", "layout", "parts", "overlap", "batch_size",
+                                                    "device")}}
 
 
 

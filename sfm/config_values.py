@@ -1,5 +1,6 @@
 """How config values are read and checked (sfm.config): TOML literals and ``section.key=value`` overrides
-(``--set``), coercion to a field's type, the range checks every section's ``check`` uses, and TOML out."""
+(``--set``), coercion to a field's type, the range checks every section's ``check`` uses, TOML out, and the
+vocabularies more than one section names (augmentations, store layouts, devices)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,26 @@ from typing import Any, Iterable
 
 from sfm.errors import SFMError
 
+AUGMENTATIONS = ("flip_inline", "flip_crossline", "swap", "reverse_time", "invert_polarity")  # data.augment
+LAYOUTS = ("sfm", "mdio")  # ingest.layout, predict.layout: the store's layout (sfm.formats.mdio_layout)
+
 
 def toml_text(config: dict[str, Any]) -> str:
-    """A job config dict ({section: {key: value}}) as TOML; None values are left out (the defaults)."""
-    lines = []
-    for section, values in config.items():
-        lines.append(f"[{section}]")
-        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items() if value is not None]
+    """A job config dict ({section: {key: value}}; a dict value is a nested table, [section.key]) as TOML; None
+    values are left out (the defaults)."""
+    lines: list[str] = []
+
+    def table(name: str, values: dict[str, Any]) -> None:
+        lines.append(f"[{name}]")
+        lines.extend(f"{key} = {json.dumps(value)}" for key, value in values.items()
+                     if value is not None and not isinstance(value, dict))
         lines.append("")
+        for key, value in values.items():
+            if isinstance(value, dict):
+                table(f"{name}.{key}", value)
+
+    for section, values in config.items():
+        table(section, values)
     return "\n".join(lines)
 
 

@@ -146,16 +146,19 @@ def add_commands(sub) -> None:
                        "(and optionally a SEG-Y)")
     p.add_argument("--model", required=True, help="a model reference of the registry in --data-root (sfm-faults: "
                    "its champion, sfm-faults:v3, sfm-faults:latest), or a task model's folder URL")
-    p.add_argument("--survey", required=True, help="the survey store's URL (what `sfm ingest` printed)")
+    p.add_argument("--survey", required=True, help="a survey id or store URL (what `sfm ingest` printed), or a SEG-Y "
+                   "file / MDIO store, ingested into --data-root first")
     p.add_argument("--out", required=True, help="the prediction store's URL (local path or s3://); must not exist")
-    p.add_argument("--data-root", default=DATA_ROOT, help=f"where --model NAME is registered (default {DATA_ROOT})")
+    p.add_argument("--data-root", default=DATA_ROOT, help="where --model NAME is registered and --survey "
+                   f"published or ingested (default {DATA_ROOT})")
     p.add_argument("--config", default="", help="TOML job config whose [predict] section holds the settings below "
                    "(a file, or a packaged config's name; default: sfm/default.toml)")
     # each flag below sets its key of [predict] (sfm.config.PARAMETERS); not given: the config's value
     p.add_argument("--output", choices=PREDICT_OUTPUTS, help="probability (float32; binary tasks: of class 1) or "
                    f"classes (uint8); default: the config's, {PredictConfig.output}")
-    p.add_argument("--mirror", action="store_true", default=None, help="test-time mirroring: each window also seen "
-                   "flipped along the inlines and crosslines (and swapped), averaged; 4-8x the work")
+    p.add_argument("--mirror", action=argparse.BooleanOptionalAction, default=None, help="test-time mirroring: each "
+                   "window also seen flipped along the inlines and crosslines (and swapped), averaged; 4-8x the work "
+                   "(default: the config's, else as the task model's held-out scores were measured)")
     p.add_argument("--layout", choices=LAYOUTS, help="sfm (default), or mdio: also what MDIO's tools read and export "
                    "(needs a survey ingested with --layout mdio, or an MDIO store)")
     p.add_argument("--segy", default="", help="also write a SEG-Y here, with the source's trace headers")
@@ -164,7 +167,8 @@ def add_commands(sub) -> None:
     p.add_argument("--part", type=int, default=None, help="run only this part (0..parts-1) and publish nothing; "
                    "without it every part not yet written runs, then the store is published")
     p.add_argument("--overlap", type=float, help="overlap of neighbouring windows, a fraction of the crop (default: "
-                   f"the config's, {PredictConfig.overlap})")
+                   "the config's, else as the task model's held-out scores were measured, 0.5 for one that records "
+                   "none)")
     p.add_argument("--batch-size", type=int, help="windows per network call (default: the config's, "
                    f"{PredictConfig.batch_size})")
     p.add_argument("--device", type=device, metavar="{" + ",".join(DEVICES) + "}",

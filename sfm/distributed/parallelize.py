@@ -142,3 +142,16 @@ def parallelize_finetuning(net: nn.Module, world: int) -> nn.Module:
     over several (the task model is small: every rank holds it whole, whatever ``[dist] strategy`` says). Call
     it after freezing what does not learn: DDP reduces the gradients of the parameters that do."""
     return net if world == 1 else strategies.apply_strategy(net, "ddp")
+
+
+def fewest_over_ranks(value: int, world: int) -> int:
+    """The smallest ``value`` any of the ``world`` ranks holds (an all-reduce; ``value`` itself on one process):
+    what a fine-tuning run's ranks agree on where each measured its own (the steps that fit a time budget)."""
+    if world == 1:
+        return int(value)
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    held = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(held, op=dist.ReduceOp.MIN)
+    return int(held.item())

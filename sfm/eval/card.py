@@ -163,8 +163,9 @@ def downstream_table(metrics: dict[str, Any]) -> list[list[str]]:
             key = f"{kind}_ap_b{b}"
             row.append(f"{metrics[key]:.4f} / {metrics[f'{kind}_ap_random_b{b}']:.4f}" if key in metrics else "-")
         runs = metrics["downstream"]["budgets"][str(b)]
-        kept = [[r.get("steps") for r in runs[f"ft_{init}"]] for init in ("pretrained", "random")]
-        row.append(" / ".join(",".join(str(s) for s in steps) for steps in kept))
+        kept = [[f"{r.get('steps')}" + (f" at {r['lr']:g}" if "lr" in r else "") for r in runs[f"ft_{init}"]]
+                for init in ("pretrained", "random")]
+        row.append(" / ".join(",".join(steps) for steps in kept))
         rows.append(row)
     return rows
 
@@ -199,9 +200,10 @@ def evaluation_components(model_url: str, held_out_stores: list[str], train_summ
         separate = metrics["downstream"].get("validation_volumes", 0)
         stopping = (f"{separate} separate labelled volume{'s' if separate > 1 else ''}" if separate else
                     "the held-out last part of each labelled volume's inlines")
-        recipe = metrics["downstream"].get("recipe", {})
-        rates = (f" Peak fine-tuning learning rate: pretrained {recipe['lr']:g}, random "
-                 f"{recipe.get('lr_random') or recipe['lr']:g}." if "lr" in recipe else "")
+        recipe = metrics["downstream"].get("recipe", {}).get("finetune", {})
+        grid = lambda key: ", ".join(f"{r:g}" for r in recipe[key])  # noqa: E731
+        rates = (f" Peak fine-tuning rates tried, the one the validation labels prefer kept per run: pretrained "
+                 f"{grid('lrs')}, random {grid('lrs_random')}." if "lrs" in recipe else "")
         components.append(Markdown(
             "## Downstream: fault segmentation fine-tuned from the pretrained encoder and from random "
             "initialisation\n\nAverage precision of fault voxels on held-out labelled volumes (higher is better), "
@@ -212,7 +214,7 @@ def evaluation_components(model_url: str, held_out_stores: list[str], train_summ
                                                    label="label efficiency: AP against labelled volumes"))
         components.append(Table(downstream_table(metrics), headers=[
             "labelled volumes", "AP pretrained", "AP random", "gain", "every seed gained", "F1 pre / rnd",
-            "IoU pre / rnd", "linear probe AP pre / rnd", "kNN AP pre / rnd", "steps kept pre / rnd"]))
+            "IoU pre / rnd", "linear probe AP pre / rnd", "kNN AP pre / rnd", "steps kept (at lr) pre / rnd"]))
         if figures.get("faults"):
             faults = figures["faults"]
             components.append(Markdown(f"### One test volume (middle inline), fine-tuned on {faults['budget']} "

@@ -11,15 +11,16 @@ come from :data:`sfm.eval.labelled.LABELLED_SEED` on, far from any survey seed g
 the test volumes' seeds are disjoint from the labelled pool's. Any other source of labelled volumes
 (a different generator, real interpretations) can be passed to :func:`evaluate_downstream` instead.
 
-The segmentation network is the encoder (``model.encode``: every patch, no masking, [N, L, E]) and a
-linear head per token that emits the patch's voxels ([N, L, P] logits, put back in place by
-``model.unpatchify``): what it finds must be in the tokens. Fine-tuning trains both on random crops
-of the labelled volumes (random flips, inline/crossline swap, polarity inversion, time reversal), class-balanced binary
-cross-entropy, AdamW with warmup and cosine decay and layer-wise learning-rate decay (MAE's
-fine-tuning recipe). Pretrained and random encoders see identical crops, heads and schedules for a
-seed (paired seeds); each may have its own peak learning rate (``lr_random``), as MAE tunes its
-from-scratch baselines apart: at the rate that suits a pretrained encoder a random one is under-trained
-in a short fine-tuning, and the gain would flatter pretraining.
+The segmentation network is the encoder and the head of the recipe (``[eval.finetune] head``; by default the
+linear head per token that emits the patch's voxels: what it finds must be in the tokens). The recipe is the
+fine-tune flow's type, :class:`sfm.config.FinetuneConfig` (``EvalConfig.finetune``), run through the same loop
+(:func:`sfm.finetune.loop.probe_then_fine_tune`): random crops of the labelled volumes (random flips,
+inline/crossline swap, polarity inversion, time reversal), class-balanced binary cross-entropy, AdamW with warmup
+and cosine decay and layer-wise learning-rate decay (MAE's fine-tuning recipe), steps scaled with the labelled
+volumes unless fixed. Pretrained and random encoders see identical crops, heads and schedules for a seed (paired
+seeds); each arm trains at every peak rate of its own grid (``lrs``, ``lrs_random``) and keeps the one its
+validation labels prefer, as MAE tunes its from-scratch baselines apart: at the rate that suits a pretrained encoder
+a random one is under-trained in a short fine-tuning, and the gain would flatter pretraining.
 
 Frozen probes, with no hand-made features: the same linear head trained on the frozen encoder's
 tokens, and k-nearest neighbours (each test token's voxels get the mean label patch of its most
@@ -37,15 +38,15 @@ volumes do not, at the price of labels outside the budget (as MONAI's and most s
 protocols keep a validation set apart from the training labels).
 
 Scores, over every voxel of the test volumes: average precision of the fault class (threshold free),
-and F1 / IoU at the threshold that maximises F1 on the training volumes. With ``test_augment`` both
-fine-tuned networks predict those volumes as nnU-Net infers (sliding windows every half crop, the
-inline/crossline mirrorings averaged); early stopping scores its validation volumes plainly.
+and F1 / IoU / F1 at a 2-voxel tolerance at the threshold that maximises F1 on the training volumes. Every
+prediction (early stopping's, the test volumes') goes through :mod:`sfm.predict.windows` as ``sfm predict``'s does:
+windows overlapping by the recipe's ``overlap``, Gaussian-weighted, mirrored with ``mirror``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -53,42 +54,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sfm.config import FinetuneConfig
-from sfm.finetune.fault_scores import average_precision, scores
+from sfm.config import EvalConfig, FinetuneConfig
 from sfm.eval.labelled import (Held, Volume, budget_volumes, evaluation_pool, evaluation_test,
                                evaluation_validation, random_crops, split_for_validation, whole)
-from sfm.predict.volume_predict import cut, predict, tiles
-from sfm.finetune.loop import balanced_bce, reporting, train_steps
-from sfm.model.segmenter import Segmenter
+from sfm.finetune.fault_scores import average_precision, scores
+from sfm.finetune.loop import RunHooks, Schedule, balanced_bce, planned_steps, probe_then_fine_tune
+from sfm.model.segmenter import Segmenter, Task
+from sfm.predict.windows import WindowGrid, add_window, cut_window, predict_volume
 from sfm.progress import Progress
 from sfm.train.step import lr_at
 
-
-@dataclass
-class Recipe:
-    """How the downstream evaluation fine-tunes and probes: ``recipe_of(EvalConfig)`` (sfm.config
-    documents each field there)."""
-
-    budgets: tuple[int, ...]  # labelled training volumes per run
-    seeds: int  # paired seeds per budget
-    test_volumes: int
-    pool_volumes: int  # labelled volumes the budgets draw from (0: the largest budget)
-    volume: tuple[int, int, int]  # labelled volume shape (IL, XL, NS)
-    steps: int  # fine-tuning steps per run
-    batch_size: int
-    lr: float  # peak learning rate of the head; encoder layers get lr * layer_decay^(depth from the top)
-    layer_decay: float
-    probes: bool  # frozen linear and kNN probes besides fine-tuning
-    knn: int  # neighbours of the kNN probe (0: none)
-    linear_first: bool = True  # LP-FT: the head starts as the linear probe of the frozen tokens
-    weight_decay: float = FinetuneConfig.weight_decay
-    warmup_fraction: float = FinetuneConfig.warmup_fraction
-    probe_steps: int = 300  # frozen linear probe: full-batch steps on precomputed tokens
-    validation: float = 0.25  # early stopping: this fraction of each labelled volume's inlines is held out (0: none)
-    validate_every: int = 25  # fine-tuning steps between validation scores
-    validation_volumes: int = 0  # early stopping on this many separate labelled volumes instead (0: the fraction)
-    lr_random: float = 0.0  # the random-init arm's peak lr (0: ``lr``); each arm at the lr tuned for it
-    test_augment: bool = True  # score test (and threshold) predictions with test-time augmentation (``predict``)
+PROBE_STEPS = 300  # the frozen linear probe: full-batch steps on precomputed tokens
 
 
 # ---- fine-tuning and probes -------------------------------------------------------------------------
@@ -99,30 +75,33 @@ def device_of(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
-def validation_ap(net: Segmenter, held: list[Held]) -> float:
-    """AP of the fault class over the held-out inlines of every validation part."""
-    probs = [predict(net, h.amplitude)[h.first:].ravel() for h in held]
+def validation_ap(net: Segmenter, held: list[Held], recipe: FinetuneConfig) -> float:
+    """AP of the fault class over the held-out inlines of every validation part, predicted with the recipe's
+    windows (:func:`sfm.predict.windows.predict_volume`)."""
+    probs = [predict_volume(net, h.amplitude, overlap=recipe.overlap, mirror=recipe.mirror)[h.first:].ravel()
+             for h in held]
     return average_precision(np.concatenate(probs), np.concatenate([h.faults[h.first:].ravel() for h in held]))
 
 
-def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *, head: nn.Linear | None = None,
-              freeze_encoder: bool = False, held: list[Held] | None = None,
-              progress: Progress | None = None) -> Segmenter:
-    """Train ``Segmenter(mae)`` (the per-token linear head; in place: ``mae`` is changed) on random crops
-    of ``train`` with :func:`sfm.finetune.loop.train_steps`, starting from ``head`` if given (linear
-    probing first, then fine-tuning: LP-FT).
+def fine_tune_on_volumes(mae: nn.Module, train: list[Volume], recipe: FinetuneConfig, seed: int, schedule: Schedule,
+                         *, head: nn.Linear | None = None, held: list[Held] | None = None,
+                         progress: str = "") -> Segmenter:
+    """Train ``Segmenter(mae)`` with the recipe's head (in place: ``mae`` is changed) on random crops of ``train``
+    on ``schedule`` (its peak rate and steps: :func:`sfm.finetune.loop.probe_then_fine_tune`), the linear head
+    starting from ``head`` if given (a linear probe of the frozen tokens: LP-FT), any other head probed on the
+    frozen encoder first (``recipe.linear_first``).
 
     With ``held`` (validation parts of the same budget), the network is scored every
     ``recipe.validate_every`` steps and ends with the weights of the best score (early stopping);
-    ``net.chosen_step`` says which step that was (``recipe.steps`` without validation) and
-    ``net.validation`` lists every (step, validation AP).
+    ``net.chosen_step`` says which step that was (the last without validation) and ``net.validation`` lists every
+    (step, validation AP).
 
     Everything random (the head's initialisation, the crops, their flips) comes from ``seed``, so two
-    encoders fine-tuned with one seed see exactly the same data in the same order. ``progress`` counts
-    the steps (and shows their loss).
+    encoders fine-tuned with one seed see exactly the same data in the same order. ``progress``: the name its
+    steps are counted under (with their loss); "" counts nothing.
     """
     torch.manual_seed(seed)
-    net = Segmenter(mae)
+    net = Segmenter(mae, Task(head=recipe.head, width=recipe.head_width))
     if head is not None:
         net.head.load_state_dict(head.state_dict())
     rng = np.random.default_rng(seed)
@@ -134,61 +113,67 @@ def fine_tune(mae: nn.Module, train: list[Volume], recipe: Recipe, seed: int, *,
     def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return balanced_bce(logits[:, 0], labels.to(logits.device, non_blocking=True), positive)
 
-    if progress is not None:
-        loss_of = reporting(loss_of, progress)
-    net = train_steps(net, recipe, batches, loss_of, freeze_encoder=freeze_encoder,
-                      validate=(lambda n: validation_ap(n, held)) if held else None,
-                      score_start=bool(held) and head is not None)
-    if progress is not None:
-        progress.close()
+    counted = (lambda total, phase: Progress(total, progress if phase == "fine-tune" else f"{progress}: {phase}")
+               ) if progress else None
+    probe_then_fine_tune(net, recipe, batches, loss_of, schedule,
+                         validate=(lambda n: validation_ap(n, held, recipe)) if held else None,
+                         probed=head is not None, hooks=RunHooks(progress=counted))
     return net
 
 
-def supervised_pretrain(mae: nn.Module, volumes: list[Volume], recipe: Recipe, *, steps: int, lr: float,
+def supervised_pretrain(mae: nn.Module, volumes: list[Volume], recipe: FinetuneConfig, *, steps: int, lr: float,
                         seed: int = 0) -> nn.Module:
     """Pretrain ``mae``'s encoder (in place) on the fault labels of ``volumes``: every layer at peak ``lr``
-    (no layer decay), ``steps`` steps of ``recipe``'s fine-tuning, no early stopping; returns ``mae``.
+    (no layer decay), ``steps`` steps of ``recipe``'s fine-tuning with its linear head, no probe first, no early
+    stopping; returns ``mae``.
 
     An encoder whose tokens hold fault features by construction: evaluated like a pretrained one, its gain
     over random initialisation is what the evaluation can reward at each budget (a reference scale for
     the self-supervised gain, given labelled volumes outside the pool, test and validation sets)."""
-    fine_tune(mae, volumes, replace(recipe, steps=steps, lr=lr, layer_decay=1.0), seed)
+    fine_tune_on_volumes(mae, volumes, replace(recipe, layer_decay=1.0, linear_first=False, head="linear"), seed,
+                         Schedule(lr, steps))
     return mae
 
 
 @torch.no_grad()
 def tokens_of(mae: nn.Module, volumes: list[Volume], batch_size: int = 8
               ) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, int, int]]]]:
-    """Frozen tokens of every tile of ``volumes``: tokens [M, L, E], the tiles' label patches [M, L, P]
-    (both on the CPU, whatever the encoder's device) and each volume's tile origins."""
-    crop, device = mae.cfg.crop, device_of(mae)
+    """Frozen tokens of every window of ``volumes`` (windows of the crop that abut, :class:`WindowGrid` with no
+    overlap): tokens [M, L, E], the windows' label patches [M, L, P] (both on the CPU, whatever the encoder's
+    device) and each volume's window origins."""
+    crop, device = tuple(mae.cfg.crop), device_of(mae)
     mae.eval()
     toks, labs, origins = [], [], []
     for amplitude, faults in volumes:
-        where = tiles(amplitude.shape, crop)
-        imgs = cut(amplitude, where, crop)
+        grid = WindowGrid(amplitude.shape, crop, 0.0)
+        where = [o for i in grid.axes[0].starts for o in grid.row(i)]
+        imgs, labels = np.zeros((len(where), 1, *crop), np.float32), np.zeros((len(where), 1, *crop), np.float32)
+        for m, origin in enumerate(where):
+            cut_window(amplitude, (0, 0, 0), origin, imgs[m, 0])
+            cut_window(faults.astype(np.float32), (0, 0, 0), origin, labels[m, 0])
+        imgs = torch.from_numpy(imgs)
         toks += [mae.encode(imgs[i:i + batch_size].to(device)).float().cpu() for i in range(0, len(imgs), batch_size)]
-        labs.append(mae.patchify(cut(faults.astype(np.float32), where, crop)))
+        labs.append(mae.patchify(torch.from_numpy(labels)))
         origins.append(where)
     return torch.cat(toks), torch.cat(labs), origins
 
 
 def _assemble(mae: nn.Module, probs: torch.Tensor, volumes: list[Volume], origins: list) -> list[np.ndarray]:
-    """Per-tile voxel probabilities [M, L, P] back into volumes (mean where tiles overlap)."""
-    crop, out, first = mae.cfg.crop, [], 0
+    """Per-window voxel probabilities [M, L, P] back into volumes, blended with the windows' weights."""
+    crop, out, first = tuple(mae.cfg.crop), [], 0
     for (amplitude, _), where in zip(volumes, origins):
-        block = mae.unpatchify(probs[first:first + len(where)], mae.cfg.grid)[:, 0].numpy()
+        block = mae.unpatchify(probs[first:first + len(where)], mae.cfg.grid).numpy()  # [M, 1, D, H, W]
         first += len(where)
-        total, count = np.zeros(amplitude.shape, np.float32), np.zeros(amplitude.shape, np.float32)
-        for (i, j, k), p in zip(where, block):
-            total[i:i + crop[0], j:j + crop[1], k:k + crop[2]] += p
-            count[i:i + crop[0], j:j + crop[1], k:k + crop[2]] += 1
-        out.append(total / count)
+        grid, total = WindowGrid(amplitude.shape, crop, 0.0), np.zeros((1, *amplitude.shape), np.float32)
+        for origin, p in zip(where, block):
+            add_window(total, (0, 0, 0), origin, p, grid.weight(origin))
+        out.append(total[0])
     return out
 
 
-def train_linear_head(x_train: torch.Tensor, y_train: torch.Tensor, recipe: Recipe, seed: int) -> nn.Linear:
-    """A linear head per token on frozen tokens x_train [M, L, E] for labels y_train [M, L, P]:
+def train_linear_head(x_train: torch.Tensor, y_train: torch.Tensor, seed: int) -> nn.Linear:
+    """A linear head per token on frozen tokens x_train [M, L, E] for labels y_train [M, L, P]
+    (:data:`PROBE_STEPS` full-batch steps):
     class-balanced BCE, full-batch AdamW on standardised tokens, the standardisation then folded into
     the weights, so the head takes raw tokens like ``Segmenter.head``."""
     mean, std = x_train.mean(dim=(0, 1)), x_train.std(dim=(0, 1)) + 1e-6
@@ -197,10 +182,10 @@ def train_linear_head(x_train: torch.Tensor, y_train: torch.Tensor, recipe: Reci
     optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2, weight_decay=1e-4)
     positive = float(y_train.mean())
     xs = (x_train - mean) / std
-    for step in range(recipe.probe_steps):
+    for step in range(PROBE_STEPS):
         for group in optimizer.param_groups:
-            group["lr"] = 1e-2 * lr_at(step, lr=1.0, min_lr=0.0, warmup_steps=max(1, recipe.probe_steps // 10),
-                                       max_steps=recipe.probe_steps)
+            group["lr"] = 1e-2 * lr_at(step, lr=1.0, min_lr=0.0, warmup_steps=max(1, PROBE_STEPS // 10),
+                                       max_steps=PROBE_STEPS)
         loss = balanced_bce(head(xs), y_train, positive)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -247,18 +232,18 @@ def knn_probe(mae: nn.Module, train_tokens, test_tokens, train: list[Volume], te
 # ---- the evaluation -----------------------------------------------------------------------------
 
 
-def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool: list[Volume] | None = None,
+def evaluate_downstream(model: nn.Module, ev: EvalConfig | None = None, *, pool: list[Volume] | None = None,
                         test: list[Volume] | None = None, validation: list[Volume] | None = None,
                         example: dict | None = None, log=print,
                         random_arm: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fine-tune ``model``'s encoder and a randomly initialised copy of its architecture at every label
-    budget and seed; frozen probes besides. ``pool``/``test``/``validation``: labelled volumes (default:
-    generated, ``max(budgets)`` for the pool, ``test_volumes`` held out and ``validation_volumes`` for
-    early stopping, with disjoint seeds; no ``validation`` volumes: early stopping on held-out inlines of
-    each budget volume, ``recipe.validation``).
+    budget and seed of ``ev`` (an :class:`sfm.config.EvalConfig`; its ``finetune`` is the recipe); frozen probes
+    besides. ``pool``/``test``/``validation``: labelled volumes (default: generated, ``max(budgets)`` for the
+    pool, ``test_volumes`` held out and ``validation_volumes`` for early stopping, with disjoint seeds; no
+    ``validation`` volumes: early stopping on held-out inlines of each budget volume, ``finetune.validation``).
 
     ``random_arm``: an earlier result with the same fine-tuning recipe, pool and test volumes whose
-    random-init fine-tuning scores are reused when ``recipe.probes`` is off (they do not depend on the
+    random-init fine-tuning scores are reused when ``ev.probes`` is off (they do not depend on the
     evaluated model, e.g. for its snapshots); a different fine-tuning recipe is refused.
 
     Returns ``downstream``: per budget {"ft_pretrained": [per-seed scores], "ft_random": [...], ...},
@@ -270,47 +255,44 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
     Every network runs on ``model``'s device (move the model to a GPU to evaluate there); ``model`` itself
     is not changed.
     """
-    if recipe is None:
-        from sfm.config import EvalConfig
-
-        recipe = recipe_of(EvalConfig())
+    ev = ev if ev is not None else EvalConfig()
     t0 = time.perf_counter()
-    pool = pool if pool is not None else evaluation_pool(recipe)
-    test = test if test is not None else evaluation_test(recipe)
-    validation = validation if validation is not None else evaluation_validation(recipe)
+    pool = pool if pool is not None else evaluation_pool(ev)
+    test = test if test is not None else evaluation_test(ev)
+    validation = validation if validation is not None else evaluation_validation(ev)
+    recipe = recipe_record(ev)
     if random_arm is not None:
         earlier = random_arm["downstream"]["recipe"]
-        differs = [k for k in recipe.__dataclass_fields__
-                   if k not in ("budgets", "probes", "knn") and _plain(earlier.get(k)) != _plain(getattr(recipe, k))]
+        differs = [k for k in recipe if k not in ("budgets", "probes", "knn") and earlier.get(k) != recipe[k]]
         if differs:
             raise ValueError(f"random_arm was fine-tuned with another recipe ({', '.join(differs)} differ)")
     pretrained_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     rng_state = torch.get_rng_state()
-    results: dict[str, Any] = {"budgets": {}, "recipe": {k: getattr(recipe, k) for k in recipe.__dataclass_fields__},
-                               "test_volumes": len(test), "pool_volumes": len(pool),
+    results: dict[str, Any] = {"budgets": {}, "recipe": recipe, "test_volumes": len(test), "pool_volumes": len(pool),
                                "validation_volumes": len(validation),
                                "test_fault_fraction": float(np.mean([f.mean() for _, f in test]))}
     flat: dict[str, Any] = {}
     try:
-        for budget in recipe.budgets:
+        for budget in ev.budgets:
             if budget > len(pool):
                 raise ValueError(f"label budget {budget} is larger than the labelled pool of {len(pool)} volumes")
             runs: dict[str, list[dict[str, float]]] = {}
-            for seed in range(recipe.seeds):
+            for seed in range(ev.seeds):
                 train = budget_volumes(pool, budget, seed)
-                shown = example if budget == min(recipe.budgets) and seed == 0 else None
+                shown = example if budget == min(ev.budgets) and seed == 0 else None
                 for init in ("pretrained", "random"):
-                    if init == "random" and random_arm is not None and not recipe.probes:
+                    if init == "random" and random_arm is not None and not ev.probes:
                         score = random_arm["downstream"]["budgets"][str(budget)]["ft_random"][seed]
                         runs.setdefault("ft_random", []).append(score)
                         continue
                     state = pretrained_state if init == "pretrained" else None
-                    for kind, score in one_run(model.cfg, state, RunVolumes(train, test, validation), recipe, seed,
+                    for kind, score in one_run(model.cfg, state, RunVolumes(train, test, validation), ev, seed,
                                                example=shown, device=device_of(model)).items():
                         runs.setdefault(f"{kind}_{init}", []).append(score)
                     score = runs[f"ft_{init}"][-1]
                     log(f"sfm downstream: budget {budget} seed {seed} {init}: AP {score['ap']:.4f} "
-                        f"F1 {score['f1']:.4f}, step {score['steps']} ({time.perf_counter() - t0:.0f}s)")
+                        f"F1 {score['f1']:.4f}, lr {score['lr']:g}, step {score['steps']} "
+                        f"({time.perf_counter() - t0:.0f}s)")
             flat.update(gains(runs, budget))
             results["budgets"][str(budget)] = runs
     finally:
@@ -319,33 +301,43 @@ def evaluate_downstream(model: nn.Module, recipe: Recipe | None = None, *, pool:
     return {"downstream": results, **flat}
 
 
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value  # as a recipe field reads back from JSON
+def recipe_record(ev: EvalConfig) -> dict[str, Any]:
+    """What an evaluation records of how it was run (JSON as it reads back): ``ev``'s settings, the fine-tuning
+    recipe under ``finetune``."""
+    import json
+
+    return json.loads(json.dumps(asdict(ev)))
 
 
 class RunVolumes(NamedTuple):
     """The labelled volumes of one paired run: fine-tuned on ``train``, scored on ``test``; early
     stopping scores the whole ``validation`` volumes, or without them the held-out inlines of ``train``
-    (``recipe.validation``)."""
+    (``finetune.validation``)."""
 
     train: list[Volume]
     test: list[Volume]
     validation: list[Volume] | None = None
 
 
-def one_run(cfg, state: dict | None, volumes: RunVolumes, recipe: Recipe, seed: int, *, example: dict | None = None,
+def one_run(cfg, state: dict | None, volumes: RunVolumes, ev: EvalConfig, seed: int, *, example: dict | None = None,
             device: torch.device | str = "cpu") -> dict[str, dict[str, float]]:
     """One paired run's arm: the encoder of architecture ``cfg`` (weights ``state``: the pretrained arm;
-    None: the random arm, seed ``seed``'s random init) probed frozen and fine-tuned on ``volumes.train``,
-    scored on ``volumes.test``: {"ft": scores, "linear": ..., "knn": ...} (the probes as the recipe asks).
+    None: the random arm, seed ``seed``'s random init) probed frozen and fine-tuned on ``volumes.train`` at each
+    peak rate of its grid (``ev.finetune.lrs`` or ``lrs_random``; the one with the best validation AP kept),
+    scored on ``volumes.test``: {"ft": scores, "linear": ..., "knn": ...} (the probes as ``ev`` asks).
     The networks run on ``device``; the random init is drawn on the CPU, so it is the same on any device."""
     from sfm.model.mae import MaskedAutoencoder3D
 
-    torch.manual_seed(10_000 + seed)  # the random init of seed s, the same for every budget
-    mae = MaskedAutoencoder3D(cfg)
-    if state is not None:
-        mae.load_state_dict(state)
-    mae.to(device)
+    recipe = ev.finetune
+
+    def encoder() -> MaskedAutoencoder3D:
+        torch.manual_seed(10_000 + seed)  # the random init of seed s, the same for every budget
+        mae = MaskedAutoencoder3D(cfg)
+        if state is not None:
+            mae.load_state_dict(state)
+        return mae.to(device)
+
+    mae = encoder()
     train, test, validation = volumes
     init = "pretrained" if state is not None else "random"
     out: dict[str, dict[str, float]] = {}
@@ -353,25 +345,34 @@ def one_run(cfg, state: dict | None, volumes: RunVolumes, recipe: Recipe, seed: 
         fit, held = train, whole(validation)
     else:
         fit, held = split_for_validation(train, recipe.validation, cfg.crop)
+    linear = recipe.head == "linear"
     head = None  # the linear probe of the whole budget's frozen tokens
-    if recipe.probes or (recipe.linear_first and fit is train):
+    if ev.probes or (linear and recipe.linear_first and fit is train):
         tokens = tokens_of(mae, train)
-        head = train_linear_head(tokens[0], tokens[1], recipe, seed)
-    if recipe.probes:
+        head = train_linear_head(tokens[0], tokens[1], seed)
+    if ev.probes:
         x_test, _, o_test = tokens_of(mae, test)
         out["linear"] = linear_probe(mae, head, tokens, (x_test, o_test), train, test)
-        if recipe.knn > 0 and seed == 0:  # kNN has no seed of its own: once per budget
-            out["knn"] = knn_probe(mae, tokens, (x_test, o_test), train, test, recipe.knn)
-    if init == "random" and recipe.lr_random > 0:
-        recipe = replace(recipe, lr=recipe.lr_random)
+        if ev.knn > 0 and seed == 0:  # kNN has no seed of its own: once per budget
+            out["knn"] = knn_probe(mae, tokens, (x_test, o_test), train, test, ev.knn)
     start = None
-    if recipe.linear_first:  # the LP-FT head sees only the labels fine-tuning may see
-        start = head if fit is train else train_linear_head(*tokens_of(mae, fit)[:2], recipe, seed)
-    progress = Progress(recipe.steps, f"downstream budget {len(train)} seed {seed} {init}: fine-tune")
-    net = fine_tune(mae, fit, recipe, seed, head=start, held=held, progress=progress)
-    test_probs = [predict(net, a, augment=recipe.test_augment) for a, _ in test]
-    train_probs = [predict(net, a, augment=recipe.test_augment) for a, _ in train]
-    out["ft"] = {**scores(train_probs, train, test_probs, test), "steps": net.chosen_step}
+    if linear and recipe.linear_first:  # the LP-FT head sees only the labels fine-tuning may see
+        start = head if fit is train else train_linear_head(*tokens_of(mae, fit)[:2], seed)
+    rates = (recipe.lrs if init == "pretrained" else recipe.lrs_random)[:None if held else 1]
+    steps = planned_steps(recipe, sum(a.size for a, _ in fit))
+    best = None
+    for k, lr in enumerate(rates):
+        name = f"downstream budget {len(train)} seed {seed} {init}{f' lr {lr:g}' if len(rates) > 1 else ''}: fine-tune"
+        net = fine_tune_on_volumes(mae if k == 0 else encoder(), fit, recipe, seed, Schedule(lr, steps), head=start,
+                                   held=held, progress=name)
+        score = max((s for _, s in net.validation), default=None)  # None: no validation labels, one rate
+        if best is None or score > best[0]:
+            best = (score, lr, net)
+    score, lr, net = best
+    test_probs = [predict_volume(net, a, overlap=recipe.overlap, mirror=recipe.mirror) for a, _ in test]
+    train_probs = [predict_volume(net, a, overlap=recipe.overlap, mirror=recipe.mirror) for a, _ in train]
+    out["ft"] = {**scores(train_probs, train, test_probs, test), "steps": net.chosen_step, "lr": lr,
+                 "validation_score": score, "planned_steps": steps}
     if example is not None:
         example.update(amplitude=test[0][0], faults=test[0][1], budget=len(train))
         example[init] = test_probs[0]
@@ -393,21 +394,10 @@ def gains(runs: dict[str, list[dict[str, float]]], budget: int) -> dict[str, Any
         flat[f"{kind}_ap_gain_b{budget}"] = float(paired.mean())
         flat[f"{kind}_all_seeds_gain_b{budget}"] = bool((paired > 0).all())
         flat[f"{kind}_min_gain_b{budget}"] = float(paired.min())
-        for metric in ("f1", "iou"):
+        for metric in ("f1", "f1_tol2", "iou"):
             flat[f"{kind}_{metric}_b{budget}"] = float(np.mean([r[metric] for r in runs[f"{kind}_pretrained"]]))
             flat[f"{kind}_{metric}_random_b{budget}"] = float(np.mean([r[metric] for r in runs[f"{kind}_random"]]))
     return flat
-
-
-def recipe_of(eval_cfg) -> Recipe:
-    """The :class:`Recipe` an ``sfm.config.EvalConfig`` describes."""
-    e = eval_cfg
-    return Recipe(budgets=tuple(e.budgets), seeds=e.seeds, test_volumes=e.test_volumes, pool_volumes=e.pool_volumes,
-                  volume=tuple(e.volume),
-                  steps=e.finetune_steps, batch_size=e.finetune_batch, lr=e.finetune_lr, layer_decay=e.layer_decay,
-                  probes=e.probes, knn=e.knn, validation=e.validation, validate_every=e.validate_every,
-                  validation_volumes=e.validation_volumes, lr_random=e.finetune_lr_random,
-                  test_augment=e.test_augment)
 
 
 def summarize(metrics: dict[str, Any]) -> str:

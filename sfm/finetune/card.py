@@ -1,7 +1,8 @@
-"""The fine-tune flow's Metaflow card: the held-out scores, and a labelled line of the held-out survey with
-its amplitude, its labels and the task model's prediction, drawn with Pillow (no plotting library): a 2D slice as a
-blue-white-red image (:func:`colorize`), an RGB array as an image (:func:`picture`), both enlarged ``SCALE`` times with
-square pixels; the evaluation's card (sfm.eval.card) draws with them too."""
+"""The fine-tune flow's Metaflow card: every arm's held-out scores (mean ± sd over the seeds), and a labelled line
+of the held-out survey with its amplitude, its labels and each arm's prediction, drawn with Pillow (no plotting
+library): a 2D slice as a blue-white-red image (:func:`colorize`), an RGB array as an image (:func:`picture`), both
+enlarged ``SCALE`` times with square pixels; the evaluation's card (sfm.eval.card) and benchmarks/finetune.py draw
+with them too."""
 
 from __future__ import annotations
 
@@ -53,47 +54,85 @@ def classes_image(classes: np.ndarray) -> Image.Image:
 
 
 def line_panels(figures: dict[str, Any]) -> dict[str, Image.Image]:
-    """The held-out line with the most labels: amplitude (grey), labels, and the prediction (class 1's
-    probability for a binary task, the most probable class otherwise)."""
+    """The held-out line with the most labels (of those, the one with the most labels above class 0: a fault
+    to see): amplitude (grey), labels, and each arm's prediction (class 1's probability for a binary task, the
+    most probable class otherwise): ``prediction`` alone for one arm, ``prediction (ARM)`` for several."""
     labels, axis = figures["labels"], figures["axis"]
-    counts = (labels != LABEL_IGNORE).sum(axis=tuple(a for a in range(3) if a != axis))
-    index = int(np.argmax(counts))
+    across = tuple(a for a in range(3) if a != axis)
+    labelled = (labels != LABEL_IGNORE).sum(axis=across)
+    raised = ((labels != LABEL_IGNORE) & (labels > 0)).sum(axis=across)
+    index = int(np.lexsort((raised, labelled))[-1])
     amplitude = section(figures["amplitude"], axis, index)
     clip = float(np.percentile(np.abs(amplitude), 98)) or 1.0
     gray = np.clip(amplitude / clip * 0.5 + 0.5, 0, 1)
-    prediction = section(figures["prediction"], axis, index)
-    predicted = colorize(prediction * 2 - 1, 1.0) if prediction.ndim == 2 else classes_image(prediction.argmax(axis=0))
-    return {"amplitude": picture(np.stack([gray] * 3, axis=-1)), "labels": classes_image(section(labels, axis, index)),
-            "prediction": predicted}
+    panels = {"amplitude": picture(np.stack([gray] * 3, axis=-1)),
+              "labels": classes_image(section(labels, axis, index))}
+    predictions = figures.get("predictions") or {"": figures["prediction"]}
+    for arm, probs in predictions.items():
+        prediction = section(probs, axis, index)
+        image = colorize(prediction * 2 - 1, 1.0) if prediction.ndim == 2 else classes_image(prediction.argmax(axis=0))
+        panels["prediction" if len(predictions) == 1 else f"prediction ({arm})"] = image
+    return panels
 
 
-def finetune_components(metrics: dict[str, Any], summary: dict[str, Any], figures: dict[str, Any],
-                        lineage: dict[str, Any]) -> list:
-    """Card components: what was fine-tuned from what, the held-out scores (per class for several), the
-    validation scores early stopping chose from, and one held-out line."""
+def arms_table(metrics: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
+    """(rows, headers): each arm's held-out scores, mean +- sd over its seeds, with its rates and kept steps."""
+    keys = [k for k in ("ap", "f1", "f1_tol2", "iou", "seconds") if all(k in a for a in metrics["arms"].values())]
+    rows = [[arm, str(len(a["seeds"]))] + [f"{a[k]['mean']:.4f} ± {a[k]['sd']:.4f}" if k != "seconds" else
+                                          f"{a[k]['mean']:.0f} ± {a[k]['sd']:.0f}" for k in keys]
+            + [", ".join(f"{lr:g}" for lr in a["lr"]), ", ".join(map(str, a["chosen_step"]))]
+            for arm, a in metrics["arms"].items()]
+    names = {"ap": "AP", "f1": "F1", "f1_tol2": "F1 at 2 voxels", "iou": "IoU", "seconds": "seconds"}
+    return rows, ["arm", "seeds"] + [names[k] for k in keys] + ["lr chosen", "step kept"]
+
+
+def finetune_components(metrics: dict[str, Any], summary: dict[str, Any], figures: dict[str, Any]) -> list:
+    """Card components: what was fine-tuned from what, every arm's held-out scores (mean ± sd over the seeds) and
+    each run's, the registered model's per class for several, the validation scores its early stopping chose
+    from, and one held-out line with each arm's prediction."""
     from metaflow.cards import Image as CardImage
     from metaflow.cards import Markdown, Table
 
     task = figures["task"]
+    best = summary
     components: list = [
         Markdown(f"# Fine-tuned `{task['kind'] if task['kind'] == 'binary' else 'classes:%d' % task['classes']}` "
-                 f"segmentation ({task['head']} head) from encoder `{lineage['encoder']}`\n\n"
-                 f"{summary['probe_steps']} head-only steps, then {summary['steps']} fine-tuning steps on "
-                 f"{summary['world_size']} rank(s); early stopping kept step {summary['chosen_step']}."),
-        Markdown("## Held-out labels\n\nOnly labelled voxels count. F1 / IoU at the threshold chosen on "
-                 f"{metrics['threshold_chosen_on']}." if "threshold" in metrics else "## Held-out labels"),
+                 f"segmentation ({task['head']} head), the {best['arm']} arm, encoder `{best['encoder']}`\n\n"
+                 f"Registered: the best of {len(summary['kept'])} arm/seed run(s) on the validation labels (seed "
+                 f"{best['seed']}, peak rate {best['lr']:g} of {', '.join(f'{r:g}' for r in best['rates'])}): "
+                 f"{best['probe_steps']} head-only steps, then up to {best['steps']} fine-tuning steps "
+                 f"({best['steps_run']} run) on {summary['world_size']} rank(s); early stopping kept step "
+                 f"{best['chosen_step']}."),
+        Markdown("## Every arm on the held-out labels\n\nMean ± sd over the paired seeds (each arm of a seed on the "
+                 "same crops), each at the rate its validation labels chose. Only labelled voxels count"
+                 + (f"; F1 and F1 at a 2-voxel tolerance at the threshold chosen on {metrics['threshold_chosen_on']}."
+                    if "threshold" in metrics else ".")),
     ]
-    rows = [["all", f"{metrics['ap']:.4f}", f"{metrics['f1']:.4f}", f"{metrics['iou']:.4f}", str(metrics["voxels"])]]
-    rows += [[f"class {c}", f"{s['ap']:.4f}", f"{s['f1']:.4f}", f"{s['iou']:.4f}", str(s["voxels"])]
-             for c, s in (metrics.get("per_class") or {}).items()]
-    components.append(Table(rows, headers=["", "AP", "F1", "IoU", "labelled voxels"]))
+    rows, headers = arms_table(metrics)
+    components.append(Table(rows, headers=headers))
+    margin = [f"{k.replace('ap_pretrained_minus_', 'pretrained - ')}: {metrics[k]:+.4f}" for k in
+              ("ap_pretrained_minus_random", "ap_pretrained_minus_unet") if k in metrics]
+    if margin:
+        components.append(Markdown("Held-out AP, paired by seed: " + "; ".join(margin) + "."))
+    figure = lambda value: "-" if value is None else f"{value:.4f}"  # noqa: E731
+    components.append(Table([[r["arm"], str(r["seed"]), f"{r['lr']:g}", f"{r['chosen_step']} / {r['steps_run']}",
+                              figure(r["validation_score"]), figure(r["ap"]), figure(r["f1"]), figure(r.get("f1_tol2")),
+                              figure(r["iou"]), f"{r['seconds']:.0f}"] for r in metrics["runs"]],
+                            headers=["arm", "seed", "lr", "step kept / run", "validation", "AP", "F1", "F1 at 2 voxels",
+                                     "IoU", "seconds"]))
+    if metrics.get("per_class"):
+        components.append(Markdown("## The registered model, per class"))
+        components.append(Table([[f"class {c}", f"{s['ap']:.4f}", f"{s['f1']:.4f}", f"{s['iou']:.4f}", str(s["voxels"])]
+                                 for c, s in metrics["per_class"].items()],
+                                headers=["", "AP", "F1", "IoU", "labelled voxels"]))
     if summary["validation"]:
-        components.append(Markdown("## Early stopping"))
+        components.append(Markdown("## Early stopping of the registered model"))
         components.append(Table([[str(step), f"{score:.4f}"] for step, score in summary["validation"]],
                                 headers=["step", "validation score"]))
     panels = line_panels(figures)
-    components.append(Markdown(f"## A held-out line of `{figures['survey']}`\n\nThe {'inline' if figures['axis'] == 0 else 'crossline'} "
-                               "with the most held-out labels; grey in the labels: not interpreted."))
+    components.append(Markdown(f"## A held-out line of `{figures['survey']}`\n\nThe "
+                               f"{'inline' if figures['axis'] == 0 else 'crossline'} with the most held-out labels; "
+                               "grey in the labels: not interpreted."))
     components.append(Table([[CardImage.from_pil_image(im, label=name) for name, im in panels.items()]],
                             headers=list(panels)))
     return components

@@ -8,8 +8,10 @@ stores (:mod:`sfm.ingest.labels`) cut at the same place and in the same orientat
   ``data.augment`` allows), the labels from the label store, flipped and swapped alike.
 - :func:`split_lines`: labelled lines held out of training: the last ``fraction`` of the labelled inlines
   (or crosslines, when only crosslines are labelled), one block at the survey's far end.
-- :class:`Part` / :meth:`LabelledSurveys.read_part`: a slab of a survey around held-out lines (or the whole
-  survey), its normalised amplitude and its labels, to predict and score (validation and held-out test);
+- :class:`Part` / :meth:`LabelledSurveys.read_part` / :class:`PartVolume`: the held-out lines of a survey (every
+  labelled line of a validation or test survey), read with the amplitude every prediction window reaching them
+  needs, predicted as ``sfm predict`` predicts the survey (the same windows, weights and mirrorings), and their
+  labels, to score (validation and held-out test);
   :func:`split_roles`: which labels train, which validate, which are scored.
 """
 
@@ -26,6 +28,7 @@ from sfm.data.crops import Crop, CropPlan
 from sfm.data.survey import Surveys
 from sfm.errors import SFMError
 from sfm.formats.label_store import open_labels
+from sfm.predict.windows import IDENTITY, WindowGrid, mirrorings, predict_box, window_probabilities
 
 IN_MEMORY_BYTES = 256 << 20  # label stores up to this size are read once and kept in memory
 
@@ -66,9 +69,9 @@ def split_lines(mask: np.ndarray, fractions: tuple[float, ...]) -> list[np.ndarr
 
 @dataclass
 class Part:
-    """What is predicted and scored of one survey: the slab ``lo:hi`` along ``axis`` (0 inlines, 1
-    crosslines; the whole survey for a held-out one), scored where ``traces`` [IL, XL] (the held-out
-    traces) hold labels."""
+    """What is predicted and scored of one survey: the lines ``lo:hi`` along ``axis`` (0 inlines, 1
+    crosslines; every labelled line of a validation or test survey), scored where ``traces`` [IL, XL] (the
+    held-out traces) hold labels."""
 
     survey: int
     axis: int
@@ -76,15 +79,46 @@ class Part:
     hi: int
     traces: np.ndarray
 
+    def box(self, shape: tuple[int, int, int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """(lo, hi) per axis of the part's voxels in a survey of ``shape``."""
+        lo, hi = [0, 0, 0], list(shape)
+        lo[self.axis], hi[self.axis] = self.lo, self.hi
+        return tuple(lo), tuple(hi)
 
-def part_of(survey: int, traces: np.ndarray, shape: tuple[int, int, int], crop: tuple[int, ...]) -> Part:
-    """The part of ``survey`` scoring ``traces``: the slab spanning their lines, widened to a crop."""
+
+def part_of(survey: int, traces: np.ndarray) -> Part:
+    """The part of ``survey`` scoring ``traces``: the lines from the first to the last that hold them."""
     axis = lines_axis(traces)
     lines = np.flatnonzero(traces.any(axis=1 - axis))
-    lo, hi = int(lines[0]), int(lines[-1]) + 1
-    width = max(hi - lo, crop[axis])
-    lo = min(max(0, (lo + hi - width) // 2), shape[axis] - width)
-    return Part(survey, axis, lo, lo + width, traces)
+    return Part(survey, axis, int(lines[0]), int(lines[-1]) + 1, traces)
+
+
+@dataclass
+class PartVolume:
+    """A part read for prediction as ``sfm predict`` predicts its survey: ``amplitude`` holds the survey's
+    normalised voxels from ``start`` on, every window of ``grid`` (the whole survey's) that reaches the part's box
+    ``lo``..``hi`` included; ``labels`` [box] (255 off the part's traces)."""
+
+    part: Part
+    grid: WindowGrid
+    lo: tuple[int, int, int]
+    hi: tuple[int, int, int]
+    start: tuple[int, int, int]
+    amplitude: np.ndarray
+    labels: np.ndarray
+
+    def predict(self, net, mirror: bool = False, batch_size: int = 8) -> np.ndarray:
+        """The task model's probabilities of the box: [box] of class 1 (binary), or [C, box]
+        (:func:`sfm.predict.windows.predict_box`, each window also mirrored with ``mirror``)."""
+        views = mirrorings(self.grid.crop) if mirror else [IDENTITY]
+        net.eval()
+        out = predict_box(lambda imgs: window_probabilities(net, imgs, views), self.amplitude, self.grid, self.lo,
+                          self.hi, start=self.start, batch_size=batch_size)
+        return out[0] if out.shape[0] == 1 else out
+
+    def box_amplitude(self) -> np.ndarray:
+        """The normalised amplitude of the box [box] (what the card draws beside the prediction)."""
+        return self.amplitude[tuple(slice(a - s, b - s) for a, b, s in zip(self.lo, self.hi, self.start))]
 
 
 class LabelledSurveys:
@@ -114,18 +148,22 @@ class LabelledSurveys:
         out[~traces[box[:2]]] = LABEL_IGNORE
         return out
 
-    def read_part(self, part: Part) -> tuple[np.ndarray, np.ndarray]:
-        """(amplitude float32, labels uint8, 255 off the part's traces) of ``part``'s slab [n, XL, NS] or [IL, n, NS]."""
-        shape = self.surveys[part.survey].shape
-        origin = [0, 0, 0]
-        extent = list(shape)
-        origin[part.axis], extent[part.axis] = part.lo, part.hi - part.lo
-        reader = CropReader(self.surveys, dataclasses.replace(self.data, crop=tuple(extent), cache_mb=0))
+    def read_part(self, part: Part, overlap: float) -> PartVolume:
+        """``part`` read for prediction with windows of the model's crop (``data.crop``) overlapping by ``overlap``:
+        the amplitude every window that reaches it reads (the grid is the whole survey's, as ``sfm predict``'s)
+        and its labels."""
+        shape = tuple(self.surveys[part.survey].shape)
+        grid = WindowGrid(shape, self.data.crop, overlap)
+        lo, hi = part.box(shape)
+        start, stop = grid.span(lo, hi)
+        extent = tuple(b - a for a, b in zip(start, stop))
+        reader = CropReader(self.surveys, dataclasses.replace(self.data, crop=extent, cache_mb=0))
         try:
-            amplitude = reader.read([Crop(part.survey, tuple(origin), tuple(extent))])[0, 0]
+            amplitude = reader.read([Crop(part.survey, start, extent)])[0, 0]
         finally:
             reader.close()
-        return amplitude, self.label_box(part.survey, tuple(origin), tuple(extent), part.traces)
+        labels = self.label_box(part.survey, lo, tuple(b - a for a, b in zip(lo, hi)), part.traces)
+        return PartVolume(part, grid, lo, hi, start, amplitude, labels)
 
 
 def summed_area(mask: np.ndarray) -> np.ndarray:
@@ -138,15 +176,17 @@ def summed_area(mask: np.ndarray) -> np.ndarray:
 class LabelledCrops:
     """One rank's fine-tuning batches from ``surveys``, labels only on ``traces`` (per survey [IL, XL]:
     its training traces): ``batch(step)`` -> (imgs float32 [B, 1, D, H, W], labels uint8 [B, D, H, W]).
-    Batch ``b`` of rank ``r`` holds samples ``(b * world_size + r) * B + [0, B)`` of the plan
-    (``data.seed``), so ranks never share a crop."""
+    Batch ``b`` of rank ``r`` holds samples ``(b * world_size + r) * B + [0, B)`` of the plan of ``seed``
+    (default ``data.seed``), so ranks never share a crop, and every network trained with one seed sees the same."""
 
-    def __init__(self, surveys: LabelledSurveys, traces: list[np.ndarray], rank: int = 0, world_size: int = 1):
+    def __init__(self, surveys: LabelledSurveys, traces: list[np.ndarray], rank: int = 0, world_size: int = 1,
+                 seed: int | None = None):
         self.surveys, self.traces, self.rank = surveys, traces, rank
-        data = surveys.data
+        data = surveys.data if seed is None else dataclasses.replace(surveys.data, seed=seed)
         d, h, _ = data.crop
         # crops start where a window of d x h traces holds one with training labels (and the survey a trace)
-        planned = [dataclasses.replace(info, trace_mask=t & info.trace_mask, live_cells=summed_area(t & info.trace_mask))
+        planned = [dataclasses.replace(info, trace_mask=t & info.trace_mask,
+                                       live_cells=summed_area(t & info.trace_mask))
                    for info, t in zip(surveys.surveys, traces)]
         self.plan = CropPlan(planned, dataclasses.replace(data, min_live_fraction=1.0 / (d * h), crops_per_region=1),
                              world_size)
@@ -187,13 +227,12 @@ def split_roles(surveys: LabelledSurveys, roles: list[str], validation: float, h
     test surveys, the last ``held_out`` fraction of each training survey's labelled lines is the test
     set; without validation surveys, the ``validation`` fraction before it validates (0: no early
     stopping). Every process of a run computes the same split."""
-    crop, out = tuple(surveys.data.crop), Split([], [], [])
+    out = Split([], [], [])
     fractions = ([held_out] if "test" not in roles else []) + ([validation] if "validation" not in roles else [])
     for k, (role, mask) in enumerate(zip(roles, surveys.masks)):
-        shape = tuple(surveys.surveys[k].shape)
         if role != "train":
             out.train.append(np.zeros_like(mask))
-            getattr(out, role).append(part_of(k, mask, shape, crop))
+            getattr(out, role).append(part_of(k, mask))
             continue
         blocks = split_lines(mask, tuple(fractions))
         train = mask.copy()
@@ -204,7 +243,7 @@ def split_roles(surveys: LabelledSurveys, roles: list[str], validation: float, h
                          blocks))
         for name, block in named.items():
             if block.any():
-                getattr(out, name).append(part_of(k, block, shape, crop))
+                getattr(out, name).append(part_of(k, block))
     if not any(t.any() for t in out.train):
         raise SFMError("no labelled traces are left to fine-tune on; name training surveys with labels")
     return out

@@ -2,7 +2,8 @@
 
 Only labelled voxels count (255, not interpreted, is left out). A binary task scores class 1: average
 precision of its probability (threshold free), and F1 / IoU at the threshold that maximises F1 on the
-validation labels. A task of C classes scores each class one against the rest: AP of its probability,
+validation labels, and fault F1 at a 2-voxel tolerance (``f1_tol2``, :func:`sfm.finetune.fault_scores.tolerant_f1`)
+at that threshold. A task of C classes scores each class one against the rest: AP of its probability,
 F1 / IoU of the voxels whose most probable class it is; the headline figures are the means over the
 classes the held-out labels hold.
 """
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from sfm.config import LABEL_IGNORE
-from sfm.finetune.fault_scores import average_precision, best_threshold, f1_iou
+from sfm.finetune.fault_scores import average_precision, best_threshold, f1_iou, tolerant_counts, tolerant_f1
 
 
 def labelled(probs: list[np.ndarray], labels: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -35,16 +36,18 @@ def validation_score(probs: list[np.ndarray], labels: list[np.ndarray]) -> float
 
 def held_out_scores(probs: list[np.ndarray], labels: list[np.ndarray], threshold: float | None = None
                     ) -> dict[str, Any]:
-    """AP, F1 and IoU over the labelled voxels of held-out parts (``probs`` per part: [..] of class 1, or
-    [C, ..]; ``labels`` per part [..] uint8). Binary: F1 / IoU at ``threshold`` (default: the F1-maximising
-    one here). Classes: ``per_class`` {class: {ap, f1, iou, voxels}} and their means."""
+    """AP, F1 and IoU over the labelled voxels of held-out parts (``probs`` per part: [D, H, W] of class 1, or
+    [C, D, H, W]; ``labels`` per part [D, H, W] uint8). Binary: F1 / IoU and F1 at a 2-voxel tolerance
+    (``f1_tol2``) at ``threshold`` (default: the F1-maximising one here). Classes: ``per_class`` {class: {ap,
+    f1, iou, voxels}} and their means."""
     p, y = labelled(probs, labels)
     out: dict[str, Any] = {"voxels": int(len(y))}
     if p.ndim == 1:
         threshold = best_threshold(p, y == 1) if threshold is None else threshold
         f1, iou = f1_iou(p >= threshold, y == 1)
-        return {**out, "ap": average_precision(p, y == 1), "f1": f1, "iou": iou, "threshold": float(threshold),
-                "positive_fraction": float(np.mean(y == 1))}
+        hits = sum(tolerant_counts(q >= threshold, lab == 1, lab != LABEL_IGNORE) for q, lab in zip(probs, labels))
+        return {**out, "ap": average_precision(p, y == 1), "f1": f1, "f1_tol2": tolerant_f1(hits), "iou": iou,
+                "threshold": float(threshold), "positive_fraction": float(np.mean(y == 1))}
     predicted = p.argmax(axis=0)
     per_class = {}
     for c in range(p.shape[0]):

@@ -29,20 +29,24 @@ class PredictFlow(FlowSpec):
                     help="TOML job config; its [predict] section holds the settings below (see sfm/config.py)")
     model = Parameter("model", required=True, help="a model reference of the registry in --data-root (sfm-faults: "
                       "its champion, sfm-faults:v3, sfm-faults:latest) or a task model's folder URL")
-    survey = Parameter("survey", required=True, help="the survey store's URL")
+    survey = Parameter("survey", required=True, help="a survey id or store URL, or a SEG-Y / MDIO source "
+                       "(ingested into --data-root first)")
     out = Parameter("out", required=True, help="the prediction store's URL; must not exist")
-    data_root = Parameter("data-root", default=DATA_ROOT, help="where --model NAME is registered")
+    data_root = Parameter("data-root", default=DATA_ROOT, help="where --model NAME is registered and "
+                          "--survey published or ingested")
     output = Parameter("output", default=config_expr("job_of(config).predict.output"),
                        help="probability | classes; default: the config's [predict] output")
     mirror = Parameter("mirror", default=config_expr("job_of(config).predict.mirror"), type=bool,
-                       help="test-time mirroring (inline/crossline flips): True | False; default: the config's")
+                       help="test-time mirroring (inline/crossline flips): True | False; default: the config's, "
+                       "else as the task model's scores were measured")
     layout = Parameter("layout", default=config_expr("job_of(config).predict.layout"),
                        help="sfm | mdio; default: the config's [predict] layout")
     segy = Parameter("segy", default="", help="also write a SEG-Y with the source's trace headers here")
     parts = Parameter("parts", default=config_expr("job_of(config).predict.parts"), type=int,
                       help="tasks the survey is split into; default: the config's [predict] parts")
     overlap = Parameter("overlap", default=config_expr("job_of(config).predict.overlap"), type=float,
-                        help="window overlap, of a crop; default: the config's [predict] overlap")
+                        help="window overlap, of a crop; default: the config's [predict] overlap, else the "
+                        "task model's")
     batch_size = Parameter("batch-size", default=config_expr("job_of(config).predict.batch_size"), type=int,
                            help="windows per network call; default: the config's [predict] batch_size")
     overrides = Parameter("set", default="", help=SET_HELP)

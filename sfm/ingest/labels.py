@@ -182,8 +182,9 @@ def ingest_pairs(pairs: list[dict[str, str]], data_root: str, cfg: IngestConfig 
                                f"{data_root}; ingest it with `sfm ingest-labels`")
         else:
             labels = ingest_labels(pair["labels"], row["survey_id"], data_root)
-        print(f"sfm finetune: {pair['role']}: {row['name']} with labels {labels['name']} ({labels['labelled_voxels']} "
-              f"labelled voxels on {labels['labelled_inlines']} inlines)")
+        print(f"sfm finetune: {pair['role']}: survey {row['survey_id']} ({row['name']}) at {row['store_url']}, labels "
+              f"{labels['label_id']} ({labels['name']}: {labels['labelled_voxels']} labelled voxels on "
+              f"{labels['labelled_inlines']} inlines)")
         out.append({**pair, "store_url": row["store_url"], "label_url": labels["store_url"],
                     "survey_id": row["survey_id"], "label_id": labels["label_id"], "name": labels["name"]})
     return out

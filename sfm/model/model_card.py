@@ -35,6 +35,9 @@ _GLOSSARY = [
                                                "{n} labelled volume(s))"),
     (r"ap", "average precision of the held-out labels"),
     (r"f1", "F1 at the chosen threshold, held-out labels"),
+    (r"f1_tol2", "fault F1 with a 2-voxel tolerance at the chosen threshold (a predicted fault within 2 voxels of "
+                 "a labelled one counts as right, a labelled one within 2 voxels of a prediction as found), "
+                 "held-out labels"),
     (r"iou", "intersection over union at the chosen threshold, held-out labels"),
     (r"accuracy", "voxel accuracy, held-out labels"),
     (r"threshold", "the probability threshold F1 and IoU use"),
@@ -79,7 +82,7 @@ def model_card(config: dict[str, Any], record: dict[str, Any] | None = None, *, 
     from huggingface_hub import EvalResult, ModelCardData
 
     task = config.get("task")
-    arch = config["model"]
+    arch = config.get("model")
     name = f"{record['model_name']} v{record['version']}" if record else ("sfm task model" if task else "sfm encoder")
     pipeline_tag = "image-segmentation" if task else "image-feature-extraction"
     metrics = headline_metrics(record["metrics"]) if record else {}
@@ -87,6 +90,8 @@ def model_card(config: dict[str, Any], record: dict[str, Any] | None = None, *, 
     results = [EvalResult(task_type=pipeline_tag, dataset_type="seismic", dataset_name=_held_out_name(lineage),
                           metric_type=key, metric_value=value, metric_name=describe_metric(key) or key)
                for key, value in metrics.items()]
+    if arch is None:  # the U-Net of a task model without an encoder
+        arch = {"unet_widths": [task["width"] * 2 ** k for k in range(3)], "crop": config.get("crop")}
     identity = {"kind": "task" if task else "encoder", "architecture": arch}
     if record:
         identity.update(model=record["model_name"], version=record["version"], created_at=record["created_at"],
@@ -96,7 +101,8 @@ def model_card(config: dict[str, Any], record: dict[str, Any] | None = None, *, 
     data = ModelCardData(library_name="sfm", pipeline_tag=pipeline_tag, model_name=name,
                          tags=ENCODER_TAGS + (["image-segmentation"] if task else []),
                          eval_results=results or None, sfm=identity)
-    sections = [f"# {name}", _summary(arch, task, weights), _data_section(lineage, task), _metrics_section(metrics),
+    sections = [f"# {name}", _summary(config.get("model"), task, weights, config.get("crop")),
+                _data_section(lineage, task), _metrics_section(metrics), _arms_section(record),
                 _lineage_section(record), _use_section(task), _load_section(task, record)]
     return redact("---\n" + data.to_yaml() + "\n---\n\n" + "\n\n".join(s for s in sections if s) + "\n")
 
@@ -111,11 +117,19 @@ def _short(url: str) -> str:
     return str(url).rstrip("/").rpartition("/")[2] or str(url)
 
 
-def _summary(arch: dict[str, Any], task: dict[str, Any] | None, weights: bytes | None) -> str:
+def _summary(arch: dict[str, Any] | None, task: dict[str, Any] | None, weights: bytes | None,
+             crop: list[int] | None = None) -> str:
+    size = f" {parameter_count(weights) / 1e6:.2f} M parameters." if weights is not None else ""
+    if arch is None:  # a task model without an encoder: the from-scratch U-Net
+        w = task["width"]
+        return (f"A seismic segmentation model: a FaultSeg3D-style 3D U-Net (levels of {w}, {2 * w} and {4 * w} "
+                f"channels, two 3x3x3 convolutions per level) trained from scratch on "
+                f"{'x'.join(map(str, crop or []))}-voxel crops (inline x crossline x sample) for a {task['kind']} task "
+                f"of {task['classes']} classes: the baseline a pretrained encoder is measured against. It maps an "
+                f"amplitude volume [N, 1, D, H, W] to per-voxel logits [N, C, D, H, W].{size}")
     shape = (f"a 3D Vision Transformer (ViT) encoder of {arch['depth']} blocks, width {arch['embed_dim']}, "
              f"{arch['num_heads']} heads, over {'x'.join(map(str, arch['patch']))} patches of "
              f"{'x'.join(map(str, arch['crop']))}-voxel crops (inline x crossline x sample)")
-    size = f" {parameter_count(weights) / 1e6:.2f} M parameters." if weights is not None else ""
     if task:
         return (f"A seismic segmentation model: {shape}, pretrained as a masked autoencoder (MAE) and fine-tuned with "
                 f"a {task['head']} head for a {task['kind']} task of {task['classes']} classes. It maps an amplitude "
@@ -145,13 +159,33 @@ def _metrics_section(metrics: dict[str, float]) -> str:
     return "\n".join(["## Evaluation", "", "| metric | value | meaning |", "| --- | --- | --- |", *rows])
 
 
+def _arms_section(record: dict[str, Any] | None) -> str:
+    """A task model's comparison with the baselines it was fine-tuned beside (the fine-tune flow's ``arms``): each
+    arm's held-out scores, mean ± sd over the paired seeds, and the rates and steps its validation labels chose."""
+    arms = (record or {}).get("metrics", {}).get("arms")
+    if not arms:
+        return ""
+    keys = [k for k in ("ap", "f1", "f1_tol2", "iou", "seconds") if all(k in a for a in arms.values())]
+    rows = [f"| {arm} | {len(a['seeds'])} | " + " | ".join(f"{a[k]['mean']:.4g} ± {a[k]['sd']:.2g}" for k in keys)
+            + f" | {', '.join(f'{lr:g}' for lr in a['lr'])} | {', '.join(map(str, a['chosen_step']))} |"
+            for arm, a in arms.items()]
+    return "\n".join(["## Against the baselines", "",
+                      "Held-out scores of every arm fine-tuned in the same run (pretrained encoder, the same "
+                      "architecture from random initialisation, a U-Net from scratch), mean ± sd over the paired "
+                      "seeds, each at the rate its validation labels chose; this version is the best of them on the "
+                      "validation labels.", "",
+                      f"| arm | seeds | {' | '.join(keys)} | rate | step kept |",
+                      "| --- | --- | " + " | ".join("---" for _ in keys) + " | --- | --- |", *rows])
+
+
 def _lineage_section(record: dict[str, Any] | None) -> str:
     if not record:
         return ""
     lineage = record["lineage"]
     items = {"registered": f"{record['model_name']} v{record['version']} at {record['created_at']}",
              "encoder": lineage.get("encoder"), "encoder weights": lineage.get("encoder_url"),
-             "task": lineage.get("task"), "continued from": lineage.get("init_from"),
+             "task": lineage.get("task"), "arm": lineage.get("arm"),
+             "a baseline built like": lineage.get("baseline_of"), "continued from": lineage.get("init_from"),
              "run": lineage.get("run_pathspec"), "manifest version": lineage.get("manifest_version"),
              "code": lineage.get("code_version")}
     rows = [f"- {k}: `{v}`" for k, v in items.items() if v]

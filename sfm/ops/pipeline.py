@@ -216,7 +216,7 @@ def evaluate(model_url: str, held_out_stores: list[str], cfg: JobConfig) -> tupl
 
         if torch.cuda.is_available():  # the fine-tuning runs on the model's device
             model.to("cuda")
-        metrics.update(downstream.evaluate_downstream(model, downstream.recipe_of(cfg.eval), example=figures["faults"]))
+        metrics.update(downstream.evaluate_downstream(model, cfg.eval, example=figures["faults"]))
         print(f"sfm evaluate: {downstream.summarize(metrics)}")
     return metrics, figures
 

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 from sfm import storage
 from sfm.config import DATA_ROOT, PredictConfig
 from sfm.errors import SFMError
+from sfm.formats import manifest
 from sfm.predict import store
 from sfm.predict.store import PredictionPlan
 
@@ -36,15 +38,16 @@ class PredictOptions:
     whose defaults these are)."""
 
     model: str  # a model reference (NAME[:vN|:latest|:champion]) in data_root's registry, or a task model's folder
-    survey: str  # the survey store's URL
+    survey: str  # a survey id, a survey store's URL, or a SEG-Y / MDIO source (ingested into data_root first)
     out: str  # the prediction store's URL
     data_root: str = DATA_ROOT
     output: str = PredictConfig.output  # probability | classes
-    mirror: bool = PredictConfig.mirror  # test-time mirroring: inline/crossline flips (and swap) averaged
+    mirror: bool | None = PredictConfig.mirror  # test-time mirroring: inline/crossline flips (and swap) averaged;
+    # None: as the task model's scores were measured
     layout: str = PredictConfig.layout  # sfm | mdio
     segy: str = ""  # also export a SEG-Y with the source's trace headers here
     parts: int = PredictConfig.parts  # tasks the survey is split into (runs of whole shard rows)
-    overlap: float = PredictConfig.overlap  # of a crop, between neighbouring windows
+    overlap: float | None = PredictConfig.overlap  # of a crop, between neighbouring windows; None: the model's
     batch_size: int = PredictConfig.batch_size  # windows per network call
     device: str = PredictConfig.device  # auto (a GPU if there is one) | cpu | cuda | cuda:N
 
@@ -70,12 +73,41 @@ def device_of(name: str) -> str:
 # ---- plan ---------------------------------------------------------------------------------------------
 
 
+DEFAULT_OVERLAP = 0.5  # windows' overlap for a task model that records none (exported before it recorded one)
+
+
+def survey_store(survey: str, data_root: str) -> str:
+    """The survey store URL ``--survey`` names: a survey id published in ``data_root``, a survey store's URL, or a
+    SEG-Y file or MDIO store, ingested into ``data_root`` first as the fine-tune flow ingests (the same file twice
+    is found, not copied: :func:`sfm.ingest.survey.survey_row`)."""
+    from sfm.ingest.mdio_source import is_mdio
+    from sfm.ingest.survey import survey_row
+
+    value = str(survey).strip()
+    if manifest.is_id(value):
+        row = manifest.get_row(data_root, value)
+        if row is None:
+            raise SFMError(f"--survey {value} is not a survey published in {data_root}; pass the --data-root it was "
+                           "ingested into, its store URL, or its SEG-Y")
+        return row["store_url"]
+    url = storage.normalize(value)
+    meta = storage.join(url, "zarr.json")
+    if storage.exists(meta) and "survey_id" in (json.loads(storage.read_bytes(meta)).get("attributes") or {}):
+        return url  # a survey store (in either layout)
+    if not storage.exists(url) and not is_mdio(url):
+        raise SFMError(f"--survey {value}: nothing there; give a survey id, a survey store URL, or a SEG-Y / MDIO "
+                       "file to ingest")
+    row = survey_row(url, data_root)
+    print(f"sfm predict: survey {row['survey_id']} ({row['name']}) at {row['store_url']}", file=sys.stderr, flush=True)
+    return row["store_url"]
+
+
 def _survey_info(url: str):
     from sfm.data.survey import read_survey_info
 
     if not storage.exists(storage.join(url, "zarr.json")):
-        raise SFMError(f"--survey {url} is not a survey store (no zarr.json); ingest the survey with `sfm ingest "
-                       "FILE --data-root DATA_ROOT` and pass the store URL it prints")
+        raise SFMError(f"--survey {url} is not a survey store (no zarr.json); give a survey id, a survey store URL, "
+                       "or the SEG-Y file")
     return read_survey_info(url)[0]
 
 
@@ -101,18 +133,22 @@ def plan_prediction(opts: PredictOptions) -> PredictionPlan:
     from sfm.predict.task_model import load_task_model
 
     opts.check()
-    out, survey = storage.normalize(opts.out), storage.normalize(opts.survey)
+    out = storage.normalize(opts.out)
     if store.published(out):
         raise SFMError(f"--out {out} already holds a published store; choose another --out, or remove it first")
     model = load_task_model(opts.model, opts.data_root)
+    survey = survey_store(opts.survey, opts.data_root)
     info = _survey_info(survey)
+    recorded = (getattr(model.net, "meta", None) or {}).get("predict") or {}  # how its scores were measured
+    overlap = float(opts.overlap if opts.overlap is not None else recorded.get("overlap", DEFAULT_OVERLAP))
+    mirror = bool(opts.mirror if opts.mirror is not None else recorded.get("mirror", False))
     crop = tuple(int(c) for c in model.net.crop)
     shape, bricks, shards = store_shape(info, model.channels, opts.output)
     rows = split_runs(-(-shape[0] // bricks[0]), int(opts.parts))
     if len(rows) < int(opts.parts):
         raise SFMError(f"--parts {opts.parts}: {survey} has only {len(rows)} shard rows of {bricks[0]} inlines; "
                        f"use at most {len(rows)} parts")
-    settings = {"overlap": float(opts.overlap), "mirror": bool(opts.mirror), "layout": opts.layout,
+    settings = {"overlap": overlap, "mirror": mirror, "layout": opts.layout,
                 "segy": storage.normalize(opts.segy) if opts.segy else "", "crop": list(crop),
                 "channels": model.channels, "batch_size": int(opts.batch_size)}
     resolved = f"{model.name}:v{model.version}" if model.name else model.url
@@ -153,8 +189,8 @@ def run_part(plan: PredictionPlan, part: int, device: str = "auto", progress: bo
     from sfm.config import DataConfig
     from sfm.data import Surveys
     from sfm.predict.slabs import InlineBand, RowWriter, SlabBlender, predict_rows
-    from sfm.predict.task_model import load_task_model, window_probabilities
-    from sfm.predict.windows import WindowGrid, mirrorings
+    from sfm.predict.task_model import load_task_model
+    from sfm.predict.windows import IDENTITY, WindowGrid, mirrorings, window_probabilities
 
     if not 0 <= part < len(plan.rows):
         raise SFMError(f"--part {part} is not a part of {len(plan.rows)} (0..{len(plan.rows) - 1})")
@@ -174,10 +210,10 @@ def run_part(plan: PredictionPlan, part: int, device: str = "auto", progress: bo
     band = InlineBand(surveys, data, stop=starts[-1] + crop[0])
     blender = SlabBlender(surveys[0].shape, plan.bricks[0], model.channels, (lo, hi))
     writer = RowWriter(plan.group().shards(plan.variable), plan.variable, surveys[0].trace_mask, plan.shards)
-    views = mirrorings(crop) if plan.settings["mirror"] else [(False, False, False)]
+    views = mirrorings(crop) if plan.settings["mirror"] else [IDENTITY]
     try:
         label = f"predict part {part + 1}/{len(plan.rows)}" if progress else ""
-        counts = predict_rows(grid, band, blender, lambda imgs: window_probabilities(model, imgs, views), writer,
+        counts = predict_rows(grid, band, blender, lambda imgs: window_probabilities(model.net, imgs, views), writer,
                               int(plan.settings["batch_size"]), label)
     finally:
         band.close()

@@ -29,7 +29,7 @@ import numpy as np
 from sfm.data import Crop, CropReader, Surveys
 from sfm.data.crop_reader import wait_all
 from sfm.formats.moments import Moments
-from sfm.predict.windows import WindowGrid
+from sfm.predict.windows import WindowGrid, add_window
 from sfm.progress import Progress, quantity
 
 
@@ -108,18 +108,15 @@ class SlabBlender:
     def add(self, origin: tuple[int, int, int], probs: np.ndarray, weight: np.ndarray) -> None:
         """Add ``probs`` [C, D, H, W] of the window at ``origin`` times ``weight`` [d, h, w] (the window cut
         at the survey's end) into the rows of this part it reaches."""
-        i, j, k = origin
-        d, h, w = weight.shape
+        i = origin[0]
         b = self.brick
-        start, stop = max(i, self.lo), min(i + d, self.hi)
+        start, stop = max(i, self.lo), min(i + weight.shape[0], self.hi)
         for row in range(start // b, (stop - 1) // b + 1) if stop > start else ():
             acc = self.rows.get(row)
             if acc is None:
                 height = min(b, self.shape[0] - row * b)
                 acc = self.rows[row] = np.zeros((self.channels, height, *self.shape[1:]), np.float32)
-            lo, top = max(start, row * b), min(stop, (row + 1) * b)
-            part = probs[:, lo - i:top - i, :h, :w] * weight[lo - i:top - i]
-            acc[:, lo - row * b:top - row * b, j:j + h, k:k + w] += part
+            add_window(acc, (row * b, 0, 0), origin, probs, weight)
 
     def flush(self, before: int, write: Callable[[int, np.ndarray], None]) -> None:
         """Hand over every row that ends at or before inline ``before`` (no window left reaches it), in order."""

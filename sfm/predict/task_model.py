@@ -1,4 +1,5 @@
-"""The task model a prediction runs: found by name in the registry or at a URL, and run on batches of windows.
+"""The task model a prediction runs: found by name in the registry or at a URL (its windows run through
+:func:`sfm.predict.windows.window_probabilities`).
 
 ``--model`` is a model reference (:func:`sfm.model.registry.find`): ``NAME`` (its champion), ``NAME:vN`` /
 ``NAME:latest`` / ``NAME:champion``, a registry version of ``<data-root>/registry/NAME/``; or the URL of a task
@@ -10,13 +11,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
 
-import numpy as np
 import torch
 
 from sfm.errors import SFMError
-from sfm.predict.windows import View, mirror
 
 @dataclass
 class TaskModel:
@@ -63,18 +61,3 @@ def load_task_model(spec: str, data_root: str, device: str = "cpu") -> TaskModel
     return TaskModel(net.to(device).eval(), ref.name, ref.version, ref.url, hashlib.sha256(files[WEIGHTS]).hexdigest(),
                      ref.data_root)
 
-
-def window_probabilities(model: TaskModel, imgs: np.ndarray, views: Sequence[View]) -> np.ndarray:
-    """imgs [B, 1, D, H, W] float32 -> probabilities [B, C, D, H, W] float32 (C: the model's channels), the
-    mean over ``views`` of each view's probabilities mapped back (one view: no mirroring)."""
-    net = model.net
-    total = None
-    with torch.inference_mode():
-        x = torch.from_numpy(imgs).to(next(net.parameters()).device)
-        for view in views:
-            seen = mirror(x, view, axis=2).contiguous()
-            p = mirror(net.probabilities(net(seen)).float(), view, inverse=True, axis=2)
-            total = p if total is None else total + p
-        if len(views) > 1:
-            total /= len(views)
-        return total.cpu().numpy()

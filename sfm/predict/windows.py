@@ -14,18 +14,24 @@ divides each window's taper by that sum up front, so the blended volume is the p
 windows, and a slab of it is final as soon as the windows that reach it are added (no weight volume kept).
 
 Test-time mirroring (:func:`mirrorings`) sees each window also flipped along the inline and crossline axes
-(and with those two swapped where the crop is square in them), maps each back and averages, as
-:func:`sfm.predict.volume_predict.predict` does for the downstream evaluation.
+(and with those two swapped where the crop is square in them), maps each back and averages
+(:func:`window_probabilities`).
+
+This is the one windows module: ``sfm predict`` streams a survey through it (:mod:`sfm.predict.slabs`), and
+fine-tuning's early stopping, the fine-tune flow's held-out scores and the downstream evaluation predict what
+they hold in memory through :func:`predict_box` / :func:`predict_volume`: the same windows, weights, mirrorings
+and order of summation, so a registered score is the score of what ``sfm predict`` writes.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
+from torch import nn
 
 SIGMA_OF_CROP = 1 / 8  # nnU-Net's importance map: sigma = crop / 8
 
@@ -91,6 +97,16 @@ class WindowGrid:
         """Every window whose inline origin is ``inline_origin``, crosslines outer, samples inner."""
         return [(inline_origin, j, k) for j in self.axes[1].starts for k in self.axes[2].starts]
 
+    def span(self, lo: Sequence[int], hi: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(start, stop) per axis: the survey voxels the windows reaching the box [lo, hi) read (within the
+        survey; past its end a window reads zeros)."""
+        start, stop = [], []
+        for axis, a, b in zip(self.axes, lo, hi):
+            reach = axis.reaching(int(a), int(b))
+            start.append(reach[0])
+            stop.append(min(axis.n, reach[-1] + axis.c))
+        return tuple(start), tuple(stop)
+
     @property
     def count(self) -> int:
         return math.prod(len(axis.starts) for axis in self.axes)
@@ -122,3 +138,85 @@ def mirror(x: torch.Tensor, view: View, inverse: bool = False, axis: int = 1) ->
     if sw and not inverse:
         x = x.transpose(axis, axis + 1)
     return x
+
+
+IDENTITY: View = (False, False, False)
+
+
+def window_probabilities(net: nn.Module, imgs: np.ndarray, views: Sequence[View] = (IDENTITY,)) -> np.ndarray:
+    """imgs [B, 1, D, H, W] float32 -> probabilities [B, C, D, H, W] float32 of a task model ``net`` (``net(x)``:
+    logits, ``net.probabilities``: their probabilities; on its own device), the mean over ``views`` of each view's
+    probabilities mapped back (one view: no mirroring)."""
+    total = None
+    with torch.inference_mode():
+        x = torch.from_numpy(np.ascontiguousarray(imgs)).to(next(net.parameters()).device)
+        for view in views:
+            seen = mirror(x, view, axis=2).contiguous()
+            p = mirror(net.probabilities(net(seen)).float(), view, inverse=True, axis=2)
+            total = p if total is None else total + p
+        if len(views) > 1:
+            total /= len(views)
+        return total.cpu().numpy()
+
+
+def cut_window(amplitude: np.ndarray, start: Sequence[int], origin: Sequence[int], out: np.ndarray) -> None:
+    """``out`` [D, H, W] = the window at ``origin`` of a survey whose voxels from ``start`` on ``amplitude``
+    holds, zeros past what it holds (past the survey's end)."""
+    box = [slice(o - s, min(o - s + c, n)) for o, s, c, n in zip(origin, start, out.shape, amplitude.shape)]
+    part = amplitude[tuple(box)]
+    if part.shape != out.shape:
+        out.fill(0.0)
+    out[tuple(slice(0, n) for n in part.shape)] = part
+
+
+def add_window(out: np.ndarray, lo: Sequence[int], origin: Sequence[int], probs: np.ndarray, weight: np.ndarray
+               ) -> None:
+    """Add the probabilities ``probs`` [C, D, H, W] of the window at ``origin`` times its ``weight`` [d, h, w]
+    (:meth:`WindowGrid.weight`: cut at the survey's end) into ``out`` [C, ...], which holds the survey's voxels from
+    ``lo`` on; what of the window lies outside ``out`` is left out."""
+    a = [max(o, l) for o, l in zip(origin, lo)]
+    b = [min(o + w, l + n) for o, w, l, n in zip(origin, weight.shape, lo, out.shape[1:])]
+    if any(x >= y for x, y in zip(a, b)):
+        return
+    src = tuple(slice(x - o, y - o) for x, y, o in zip(a, b, origin))
+    dst = tuple(slice(x - l, y - l) for x, y, l in zip(a, b, lo))
+    out[(slice(None),) + dst] += probs[(slice(None),) + src] * weight[src]
+
+
+def predict_box(run: Callable[[np.ndarray], np.ndarray], amplitude: np.ndarray, grid: WindowGrid, lo: Sequence[int],
+                hi: Sequence[int], *, start: Sequence[int] = (0, 0, 0), batch_size: int = 8) -> np.ndarray:
+    """The blended probabilities [C, *(hi - lo)] float32 of the survey voxels [lo, hi) per axis, as ``sfm predict``
+    computes them: every window of ``grid`` (the whole survey's) that reaches the box is cut from ``amplitude`` (the
+    survey's normalised voxels from ``start`` on, covering :meth:`WindowGrid.span` of the box), run through ``run``
+    (imgs [B, 1, D, H, W] -> probabilities [B, C, D, H, W]) in batches of ``batch_size`` windows of one inline
+    origin, and added times its weights in the streaming prediction's order (inline origins, crosslines, samples):
+    the same sums, so the same values (to float tolerance, whatever else shares a batch)."""
+    lo, hi, start = tuple(int(x) for x in lo), tuple(int(x) for x in hi), tuple(int(x) for x in start)
+    crop = grid.crop
+    batch = np.zeros((batch_size, 1, *crop), np.float32)
+    out = None
+    for i in grid.axes[0].reaching(lo[0], hi[0]):
+        row = [o for o in grid.row(i) if all(o[a] < hi[a] and o[a] + crop[a] > lo[a] for a in (1, 2))]
+        for first in range(0, len(row), batch_size):
+            chunk = row[first:first + batch_size]
+            for m, origin in enumerate(chunk):
+                cut_window(amplitude, start, origin, batch[m, 0])
+            probs = run(batch[:len(chunk)])
+            if out is None:
+                out = np.zeros((probs.shape[1], *(b - a for a, b in zip(lo, hi))), np.float32)
+            for origin, p in zip(chunk, probs):
+                add_window(out, lo, origin, p, grid.weight(origin))
+    return out
+
+
+def predict_volume(net: nn.Module, amplitude: np.ndarray, *, overlap: float, mirror: bool = False,
+                   batch_size: int = 8) -> np.ndarray:
+    """A task model's probabilities of a whole volume held in memory, amplitude [IL, XL, NS] normalised (windows of
+    ``net.crop`` overlapping by ``overlap``, Gaussian-weighted; with ``mirror`` each window also seen in every
+    :func:`mirrorings` view): [IL, XL, NS] of class 1 for a binary task (one channel), [C, IL, XL, NS] otherwise."""
+    grid = WindowGrid(amplitude.shape, net.crop, overlap)
+    views = mirrorings(grid.crop) if mirror else [IDENTITY]
+    net.eval()
+    out = predict_box(lambda imgs: window_probabilities(net, imgs, views), amplitude, grid, (0, 0, 0),
+                      amplitude.shape, batch_size=batch_size)
+    return out[0] if out.shape[0] == 1 else out

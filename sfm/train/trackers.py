@@ -180,11 +180,16 @@ class Trackers:
         run, if there is one; else None, a new run."""
         import mlflow
 
-        from sfm.model.mlflow_sync import tracking_uri
+        from sfm.model.mlflow_sync import URI_ENV, tracking_uri
 
         uri = tracking_uri(self.mlflow_uri)
         if uri:
-            mlflow.set_tracking_uri(uri)
+            before = os.environ.get(URI_ENV)
+            mlflow.set_tracking_uri(uri)  # which also exports MLFLOW_TRACKING_URI: later code of this process (a
+            if before is None:  # registration that would mirror to it) must not see the job's URI as the user's
+                os.environ.pop(URI_ENV, None)
+            else:
+                os.environ[URI_ENV] = before
         mlflow.config.enable_async_logging(True)
         root = redact(self.run_root)
         if first_step is not None or "'" in root:

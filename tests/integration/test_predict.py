@@ -226,10 +226,14 @@ def test_user_errors_are_one_line(small, tmp_path, capsys):
         assert cli.main([*base, *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("sfm predict: error:") and message in err and "\n" not in err, err
-    not_a_store = ["predict", "--model", "sfm-faults", "--survey", str(small["src"]), "--data-root", small["root"],
-                   "--out", str(tmp_path / "b.zarr")]
-    assert cli.main(not_a_store) == 2
-    assert "is not a survey store" in capsys.readouterr().err
+    nothing = ["predict", "--model", "sfm-faults", "--survey", str(tmp_path / "none.sgy"), "--data-root", small["root"],
+               "--out", str(tmp_path / "b.zarr")]  # a SEG-Y is ingested first (tests/integration/test_finetune_arms.py)
+    assert cli.main(nothing) == 2
+    assert "nothing there" in capsys.readouterr().err
+    unknown = ["predict", "--model", "sfm-faults", "--survey", "0123456789abcdef", "--data-root", small["root"],
+               "--out", str(tmp_path / "b.zarr")]
+    assert cli.main(unknown) == 2
+    assert "is not a survey published in" in capsys.readouterr().err
     # an unfinished store planned with other settings is refused, not mixed
     plan_prediction(PredictOptions(model="sfm-faults", survey=small["store"], out=str(tmp_path / "c.zarr"),
                                    data_root=small["root"], parts=2))

@@ -49,15 +49,15 @@ def notices(err: str) -> list[str]:
 
 
 def test_every_command_resolves_a_model_reference_the_same_way(root, capsys):
-    from sfm.finetune.run import resolve_encoder
+    from sfm.finetune.run import encoder_at
     from sfm.ops.pipeline import resolve_init_from
     from sfm.predict.task_model import load_task_model
 
     cfg = JobConfig().override(["data.crop=[16,16,16]"])
     v1 = registry.version_url(root, "sfm-mae", 1)
     # --encoder sfm-mae:v1 (the fine-tune flow), by reference or by the version's folder: the same lineage
-    assert resolve_encoder("sfm-mae:v1", root, cfg) == {"url": v1, "encoder": "sfm-mae:v1", "version": 1}
-    assert resolve_encoder(v1, root, cfg) == resolve_encoder("sfm-mae", root, cfg)
+    assert encoder_at("sfm-mae:v1", root, cfg)[:2] == (v1, "sfm-mae:v1")
+    assert encoder_at(v1, root, cfg) == encoder_at("sfm-mae", root, cfg)
     # --init-from sfm-mae:latest (the pretrain flow, sfm train): the version's folder
     assert resolve_init_from(JobConfig().override(["data.crop=[16,16,16]"], init_from="sfm-mae:latest"),
                              root).train.init_from == v1
@@ -76,14 +76,14 @@ def test_every_command_resolves_a_model_reference_the_same_way(root, capsys):
         assert main(["registry", "show", bad, "--data-root", root]) == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
     with pytest.raises(SFMError, match="is not an encoder"):
-        resolve_encoder("sfm-faults:v1", root, cfg)
+        encoder_at("sfm-faults:v1", root, cfg)
     with pytest.raises(SFMError, match="sfm-mae"):
         load_task_model("sfm-mae", root)
     assert not notices(capsys.readouterr().err)
 
 
 def test_old_spellings_work_with_one_line_of_notice(root, capsys):
-    from sfm.finetune.run import resolve_encoder
+    from sfm.finetune.run import encoder_at
     from sfm.ops.pipeline import resolve_init_from
 
     parser = build_parser()
@@ -102,7 +102,7 @@ def test_old_spellings_work_with_one_line_of_notice(root, capsys):
     assert out == new and len(notices(err)) == 1 == len(err.splitlines()) and "registry show sfm-mae:v1" in err
 
     cfg = JobConfig().override(["data.crop=[16,16,16]"])
-    assert resolve_encoder("v1", root, cfg) == resolve_encoder("sfm-mae:v1", root, cfg)
+    assert encoder_at("v1", root, cfg) == encoder_at("sfm-mae:v1", root, cfg)
     assert notices(capsys.readouterr().err) == ["sfm: deprecated: --encoder v1 works in this release only; write "
                                                 "--encoder sfm-mae:v1"]
     assert resolve_init_from(cfg.override(init_from="champion"), root).train.init_from == \

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tomllib
+
 import pytest
 
 from sfm.errors import SFMError
@@ -139,13 +141,37 @@ def test_config_imports_no_layer_above_it():
 def test_the_finetune_section_and_the_champion_metric_are_checked():
     from sfm.config import EvalConfig, FinetuneConfig, JobConfig
 
-    assert FinetuneConfig().steps == EvalConfig().finetune_steps  # the evaluation's recipe is the default
-    for override, named in (("finetune.head=mlp", "finetune.head"), ("finetune.held_out=1", "finetune.held_out"),
-                            ("finetune.steps=0", "finetune.steps"),
+    assert isinstance(EvalConfig().finetune, FinetuneConfig)  # one recipe type: the evaluation's is [eval.finetune]
+    for override, named in (("finetune.lrs=[]", "finetune.lrs"), ("finetune.held_out=1", "finetune.held_out"),
+                            ("finetune.steps=-1", "finetune.steps"), ("eval.finetune.overlap=1", "eval.finetune.overlap"),
+                            ("finetune.lrs_unet=[0.001, 0]", "finetune.lrs_unet"),
                             ("registry.champion_metric=ft_ap_gain_b16", "registry.champion_metric")):
         with pytest.raises(SFMError, match=named):
             JobConfig.from_toml(None, [override]).validate()
     JobConfig.from_toml(None, ["registry.champion_metric=ft_ap_gain_b4", "finetune.head=unetr"]).validate()
+
+
+def test_the_evaluations_recipe_is_a_nested_table_and_configs_written_before_read_as_they_meant(tmp_path):
+    """``[eval.finetune]`` is a FinetuneConfig: set by key or whole, written to TOML and read back alike; the keys
+    the recipe had before it (a registered version's record, a user's file) are read as their new names."""
+    from sfm.config import JobConfig
+
+    path = tmp_path / "job.toml"
+    path.write_text("[eval]\nbudgets = [1]\n[eval.finetune]\nsteps = 7\nlrs = [0.01]\n")
+    cfg = JobConfig.from_toml(path, ["eval.finetune.mirror=true"])
+    assert (cfg.eval.finetune.steps, cfg.eval.finetune.lrs, cfg.eval.finetune.mirror) == (7, (0.01,), True)
+    assert cfg.finetune.steps == 0 and cfg.finetune.lrs == (1e-3, 3e-3)  # the fine-tune flow's own recipe
+    assert JobConfig.from_dict(tomllib.loads(cfg.to_toml())).to_dict() == cfg.to_dict()
+    with pytest.raises(SFMError, match=r"'eval.finetune' is a table"):
+        cfg.set("eval.finetune", 3)
+    with pytest.raises(SFMError, match=r"unknown config key 'eval.finetune.stepz'; valid keys in \[eval.finetune\]"):
+        cfg.set("eval.finetune.stepz", 3)
+    old = JobConfig.from_dict({"eval": {"finetune_steps": 150, "finetune_lr": 1e-3, "finetune_lr_random": 0.0,
+                                        "test_augment": True, "validate_every": 10},
+                               "finetune": {"lr": 3e-3, "lr_random": 1e-2, "test_augment": False}})
+    e, f = old.eval.finetune, old.finetune
+    assert (e.steps, e.lrs, e.lrs_random, e.mirror, e.validate_every) == (150, (1e-3,), (1e-3,), True, 10)
+    assert (f.lrs, f.lrs_random, f.mirror) == ((3e-3,), (1e-2,), False)
 
 
 def test_deepspeed_strategies_refuse_muon_context_parallelism_and_a_missing_extra(monkeypatch):

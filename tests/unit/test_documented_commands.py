@@ -380,12 +380,15 @@ def check_command(tokens: list[str], table: Table, strict: bool = True) -> list[
     elliptical = False
     problems: list[str] = []
     given: set[str] = set()
+    last = ""
     positionals: list[str] = []
     i = 0
     while i < len(tokens):
         tok = tokens[i]
         if tok in ("...", "…", "|"):
             elliptical |= tok != "|"
+            if tok == "|":  # [--mirror | --no-mirror]: the option before is one of two, not given with the next
+                given.discard(last)
             i += 1
             continue
         if _is_option(tok):
@@ -399,6 +402,7 @@ def check_command(tokens: list[str], table: Table, strict: bool = True) -> list[
                 problems.append(f"{table.name}: {flag} is given twice, and the parser keeps only the last (a flow's "
                                 "--set takes several keys in one, separated by ';')")
             given.add(opt.dest)
+            last = opt.dest
             if opt.nargs == 0:
                 if eq:
                     problems.append(f"{table.name}: {flag} is a flag, it takes no value")

@@ -10,104 +10,19 @@ import numpy as np
 import pytest
 import torch
 
-from sfm.eval import downstream, labelled
-from sfm.finetune import fault_scores
-from sfm.predict import volume_predict
-from sfm.config import EvalConfig, JobConfig
+from sfm.config import EvalConfig, JobConfig, quick_recipe
 from sfm.errors import SFMError
+from sfm.eval import downstream, labelled
+from sfm.finetune.loop import Schedule
 from sfm.model import mae_config
 from sfm.model.mae import MaskedAutoencoder3D
-from sfm.model.segmenter import Segmenter
 
 pytestmark = pytest.mark.long(1)
 
-# ---- scores ---------------------------------------------------------------------------------------
 
-
-def brute_force_ap(scores: np.ndarray, labels: np.ndarray) -> float:
-    """AP straight from its definition: for every distinct threshold (high to low), the recall gained
-    times the precision there."""
-    ap, last_recall = 0.0, 0.0
-    for t in sorted(set(scores.tolist()), reverse=True):
-        pred = scores >= t
-        tp = np.sum(pred & labels)
-        recall, precision = tp / labels.sum(), tp / pred.sum()
-        ap += (recall - last_recall) * precision
-        last_recall = recall
-    return float(ap)
-
-
-def test_average_precision_follows_its_definition_with_ties():
-    rng = np.random.default_rng(0)
-    for _ in range(5):
-        labels = rng.random(300) < 0.2
-        scores = np.round(rng.random(300) + 0.5 * labels, 1)  # coarse: many ties
-        assert fault_scores.average_precision(scores, labels) == pytest.approx(brute_force_ap(scores, labels), abs=1e-12)
-    labels = np.array([1, 0, 1, 0, 0], bool)
-    assert fault_scores.average_precision(np.array([5, 4, 3, 2, 1.0]), labels) == pytest.approx((1 + 2 / 3) / 2)
-    assert fault_scores.average_precision(labels * 1.0, labels) == 1.0  # perfect ranking
-    assert fault_scores.average_precision(np.zeros(5), labels) == pytest.approx(0.4)  # no ranking: the prevalence
-
-
-def test_float32_scores_rank_as_their_float64_values_do():
-    """The evaluation's float32 predictions take a packed-key sort: it must give the same AP and threshold
-    as the general path, with negative scores, ties, and -0.0 tied with 0.0."""
-    rng = np.random.default_rng(2)
-    for _ in range(10):
-        labels = rng.random(400) < 0.2
-        scores = np.round(rng.standard_normal(400) + 0.7 * labels, 1).astype(np.float32)
-        scores[:6], scores[6:12] = -0.0, 0.0
-        wide = scores.astype(np.float64)
-        assert fault_scores.average_precision(scores, labels) == fault_scores.average_precision(wide, labels)
-        assert fault_scores.average_precision(scores, labels) == pytest.approx(brute_force_ap(wide, labels), abs=1e-12)
-        assert fault_scores.best_threshold(scores, labels) == fault_scores.best_threshold(wide, labels)
-    s, y, last = fault_scores.ranked(np.array([0.5, -0.0, 2.0, 0.0, -1.0], np.float32), np.array([1, 0, 1, 1, 0]))
-    assert s.tolist() == [2.0, 0.5, 0.0, 0.0, -1.0] and last.tolist() == [0, 1, 3, 4]
-    assert sorted(y[2:4].tolist()) == [False, True] and y[[0, 1, 4]].tolist() == [True, True, False]
-
-
-def test_best_threshold_maximises_f1():
-    rng = np.random.default_rng(1)
-    labels = rng.random(400) < 0.3
-    scores = rng.random(400) + 0.4 * labels
-    t = fault_scores.best_threshold(scores, labels)
-    best = max(fault_scores.f1_iou(scores >= c, labels)[0] for c in scores)
-    assert fault_scores.f1_iou(scores >= t, labels)[0] == pytest.approx(best)
-    f1, iou = fault_scores.f1_iou(np.array([1, 1, 0, 0], bool), np.array([1, 0, 1, 0], bool))
-    assert (f1, iou) == (pytest.approx(0.5), pytest.approx(1 / 3))
-
-
-def test_tiles_cover_every_voxel_and_predictions_average_overlaps():
-    assert volume_predict.tile_origins(64, 32) == [0, 32]
-    assert volume_predict.tile_origins(70, 32) == [0, 32, 38]
-    with pytest.raises(ValueError, match="smaller than the model's crop"):
-        volume_predict.tile_origins(16, 32)
-    assert volume_predict.tile_origins(64, 32, 16) == [0, 16, 32]
-    assert volume_predict.tile_origins(70, 32, 16) == [0, 16, 32, 38]
-    assert len(volume_predict.tiles((64, 64, 64), (32, 32, 64), overlap=True)) == 9
-    assert len(volume_predict.mirrorings((32, 32, 64))) == 8 and len(volume_predict.mirrorings((32, 16, 64))) == 4
-    # a head that reads each voxel's own amplitude: predictions must reproduce sigmoid(amplitude) exactly, with
-    # abutting tiles and with test-time augmentation (a window or mirror view mapped back wrongly would misplace it)
-    torch.manual_seed(0)
-    net = Segmenter(MaskedAutoencoder3D(mae_config("tiny")))
-    net.forward = lambda imgs: imgs  # one logit per voxel: a binary task
-    volume = np.random.default_rng(2).standard_normal((40, 36, 70)).astype(np.float32)
-    for augment in (False, True):
-        probs = volume_predict.predict(net, volume, augment=augment)
-        np.testing.assert_allclose(probs, 1 / (1 + np.exp(-volume)), rtol=1e-5)
-
-
-def test_test_time_augmentation_makes_a_real_network_mirror_equivariant():
-    """Averaged over windows placed symmetrically and every mirroring, the prediction of a mirrored volume
-    is the mirrored prediction; a plain tiling of a (random) network is not."""
-    torch.manual_seed(3)
-    net = Segmenter(MaskedAutoencoder3D(mae_config("tiny", **TINY)))
-    volume = np.random.default_rng(4).standard_normal((64, 64, 32)).astype(np.float32)
-    for mirror in (lambda v: v[::-1], lambda v: v[:, ::-1], lambda v: v.transpose(1, 0, 2)):
-        seen = volume_predict.predict(net, np.ascontiguousarray(mirror(volume)), augment=True)
-        np.testing.assert_allclose(seen, mirror(volume_predict.predict(net, volume, augment=True)), atol=1e-5)
-        plain = volume_predict.predict(net, np.ascontiguousarray(mirror(volume)))
-        assert np.abs(plain - mirror(volume_predict.predict(net, volume))).max() > 1e-3
+def evaluation(finetune: dict | None = None, **settings) -> EvalConfig:
+    """An EvalConfig with ``settings``, its recipe the default quick one with ``finetune``'s changes."""
+    return EvalConfig(**settings, finetune=replace(quick_recipe(), **(finetune or {})))
 
 
 def test_fine_tuning_crops_keep_amplitude_and_labels_together_under_every_augmentation():
@@ -141,8 +56,8 @@ def test_labelled_volumes_are_normalised_and_seeded():
 
 # the tiny preset with thin patches (4 x 4 traces x 8 samples), so a token can outline a fault
 TINY = dict(crop=(32, 32, 32), patch=(4, 4, 8))
-RECIPE = downstream.recipe_of(EvalConfig(budgets=(1,), seeds=2, test_volumes=2, volume=(32, 32, 64),
-                                         finetune_steps=40, finetune_batch=4, knn=8))
+RECIPE = evaluation({"steps": 40, "batch_size": 4}, budgets=(1,), seeds=2, test_volumes=2, volume=(32, 32, 64),
+                    knn=8)
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +74,7 @@ def fault_trained_encoder():
     torch.manual_seed(0)
     mae = MaskedAutoencoder3D(mae_config("tiny", **TINY))
     train = labelled.labelled_volumes(6, (32, 32, 64), 3_000_000)
-    return downstream.supervised_pretrain(mae, train, downstream.recipe_of(EvalConfig(finetune_batch=4)),
-                                          steps=300, lr=2e-3, seed=5)
+    return downstream.supervised_pretrain(mae, train, quick_recipe(), steps=300, lr=2e-3, seed=5)
 
 
 def test_encoder_with_fault_features_beats_random_init_on_every_seed(fault_trained_encoder, volumes):
@@ -182,8 +96,7 @@ def test_a_random_encoder_does_not_beat_random_init(volumes):
 
 
 def test_same_seeds_give_the_same_scores(fault_trained_encoder, volumes):
-    recipe = downstream.recipe_of(EvalConfig(budgets=(1,), seeds=1, test_volumes=1, volume=(32, 32, 64),
-                                             finetune_steps=10, knn=4))
+    recipe = evaluation({"steps": 10}, budgets=(1,), seeds=1, test_volumes=1, volume=(32, 32, 64), knn=4)
     state = {k: v.clone() for k, v in fault_trained_encoder.state_dict().items()}
     first = downstream.evaluate_downstream(fault_trained_encoder, recipe, pool=volumes[0], test=volumes[1][:1])
     second = downstream.evaluate_downstream(fault_trained_encoder, recipe, pool=volumes[0], test=volumes[1][:1])
@@ -211,52 +124,51 @@ def test_fine_tuning_keeps_the_step_with_the_best_validation_score(volumes):
     train = [(np.concatenate([a, a[::-1]]), np.concatenate([f, f[::-1]])) for a, f in pool[:1]]  # 64 inlines
     torch.manual_seed(0)
     mae = MaskedAutoencoder3D(mae_config("tiny", **TINY))
-    recipe = downstream.recipe_of(EvalConfig(finetune_steps=12, finetune_batch=2, validate_every=4))
+    recipe = replace(quick_recipe(), batch_size=2, validate_every=4, linear_first=False)
     fit, held = labelled.split_for_validation(train, recipe.validation, mae.cfg.crop)
-    net = downstream.fine_tune(mae, fit, recipe, seed=0, held=held)
+    net = downstream.fine_tune_on_volumes(mae, fit, recipe, 0, Schedule(1e-3, 12), held=held)
     steps, aps = zip(*net.validation)
     assert steps == (4, 8, 12)
     assert net.chosen_step == steps[int(np.argmax(aps))]
-    assert downstream.validation_ap(net, held) == pytest.approx(max(aps), abs=1e-6)
+    assert downstream.validation_ap(net, held, recipe) == pytest.approx(max(aps), abs=1e-6)
 
 
 def test_with_a_linear_probe_to_start_from_the_probe_itself_is_a_candidate(fault_trained_encoder, volumes):
     """LP-FT: step 0 (the frozen encoder with the probe's head) is scored too, and kept where it validates best."""
     pool, _ = volumes
-    recipe = downstream.recipe_of(EvalConfig(finetune_steps=8, finetune_batch=2, finetune_lr=5e-2, validate_every=4))
+    recipe = replace(quick_recipe(), batch_size=2, validate_every=4)
     train = [(np.concatenate([a, a[::-1]]), np.concatenate([f, f[::-1]])) for a, f in pool[:1]]  # 64 inlines
     fit, held = labelled.split_for_validation(train, 0.25, TINY["crop"])
     mae = copy.deepcopy(fault_trained_encoder)
-    head = downstream.train_linear_head(*downstream.tokens_of(mae, fit)[:2], recipe, seed=0)
-    net = downstream.fine_tune(mae, fit, recipe, seed=0, head=head, held=held)
+    head = downstream.train_linear_head(*downstream.tokens_of(mae, fit)[:2], seed=0)
+    net = downstream.fine_tune_on_volumes(mae, fit, recipe, 0, Schedule(5e-2, 8), head=head, held=held)
     steps, aps = zip(*net.validation)
     assert steps == (0, 4, 8)
     assert net.chosen_step == steps[int(np.argmax(aps))]
     if net.chosen_step == 0:  # the weights are the starting ones again
         assert torch.equal(net.head.weight, head.weight)
         assert all(torch.equal(v, fault_trained_encoder.state_dict()[k]) for k, v in net.mae.state_dict().items())
-    assert downstream.validation_ap(net, held) == pytest.approx(max(aps), abs=1e-6)
+    assert downstream.validation_ap(net, held, recipe) == pytest.approx(max(aps), abs=1e-6)
 
 
 def test_separate_validation_volumes_stop_early_and_leave_the_whole_budget_to_fine_tuning(
         fault_trained_encoder, volumes, monkeypatch, capsys):
-    recipe = downstream.recipe_of(EvalConfig(budgets=(1,), seeds=1, test_volumes=1, volume=(64, 32, 64),
-                                             finetune_steps=8, finetune_batch=2, validate_every=4, probes=False,
-                                             validation_volumes=2))
+    recipe = evaluation({"steps": 8, "batch_size": 2, "validate_every": 4}, budgets=(1,), seeds=1, test_volumes=1,
+                        volume=(64, 32, 64), probes=False, validation_volumes=2)
     pool = [(np.concatenate([a, a[::-1]]), np.concatenate([f, f[::-1]])) for a, f in volumes[0]]  # 64 inlines
     validation = labelled.evaluation_validation(recipe)
     assert len(validation) == 2 and all(v[0].shape == (64, 32, 64) for v in validation)
     for other in (labelled.evaluation_pool(recipe), labelled.evaluation_test(recipe)):  # disjoint seeds
         assert not any(np.array_equal(v[0], o[0]) for v in validation for o in other)
     seen = []
-    real = downstream.fine_tune
+    real = downstream.fine_tune_on_volumes
 
-    def spy(mae, train, recipe, seed, **kw):
-        net = real(mae, train, recipe, seed, **kw)
+    def spy(mae, train, recipe, seed, schedule, **kw):
+        net = real(mae, train, recipe, seed, schedule, **kw)
         seen.append((train, kw["held"], net))
         return net
 
-    monkeypatch.setattr(downstream, "fine_tune", spy)
+    monkeypatch.setattr(downstream, "fine_tune_on_volumes", spy)
     result = downstream.evaluate_downstream(fault_trained_encoder, recipe, pool=pool, test=volumes[1][:1],
                                             validation=validation)
     assert result["downstream"]["validation_volumes"] == 2 and len(seen) == 2  # pretrained and random
@@ -269,15 +181,14 @@ def test_separate_validation_volumes_stop_early_and_leave_the_whole_budget_to_fi
         assert all(np.array_equal(h.faults, v[1]) for h, v in zip(held, validation))
         steps, aps = zip(*net.validation)
         assert steps == (0, 4, 8) and net.chosen_step == steps[int(np.argmax(aps))]
-        assert downstream.validation_ap(net, held) == pytest.approx(max(aps), abs=1e-6)
-    without = downstream.recipe_of(EvalConfig(budgets=(1,), seeds=1, volume=(64, 32, 64), validation_volumes=0))
+        assert downstream.validation_ap(net, held, recipe.finetune) == pytest.approx(max(aps), abs=1e-6)
+    without = evaluation(budgets=(1,), seeds=1, volume=(64, 32, 64), validation_volumes=0)
     assert labelled.evaluation_validation(without) == []
 
 
 def test_the_random_arm_does_not_depend_on_the_evaluated_encoder(fault_trained_encoder, volumes):
     """Which is why the snapshots of a run may reuse its random-init scores (``random_arm``)."""
-    recipe = downstream.recipe_of(EvalConfig(budgets=(1,), seeds=2, test_volumes=1, volume=(32, 32, 64),
-                                             finetune_steps=10, probes=False))
+    recipe = evaluation({"steps": 10}, budgets=(1,), seeds=2, test_volumes=1, volume=(32, 32, 64), probes=False)
     pool, test = volumes[0], volumes[1][:1]
     first = downstream.evaluate_downstream(fault_trained_encoder, recipe, pool=pool, test=test)
     torch.manual_seed(7)
@@ -287,20 +198,20 @@ def test_the_random_arm_does_not_depend_on_the_evaluated_encoder(fault_trained_e
     runs = [r["downstream"]["budgets"]["1"] for r in (first, full, reused)]
     assert runs[0]["ft_random"] == runs[1]["ft_random"] == runs[2]["ft_random"]
     assert runs[1]["ft_pretrained"] == runs[2]["ft_pretrained"] != runs[0]["ft_pretrained"]
-    longer = replace(recipe, steps=20)  # scores of another recipe are not reused
-    with pytest.raises(ValueError, match="steps"):
+    longer = replace(recipe, finetune=replace(recipe.finetune, steps=20))  # scores of another recipe are not reused
+    with pytest.raises(ValueError, match="finetune"):
         downstream.evaluate_downstream(other, longer, pool=pool, test=test, random_arm=first)
 
 
 def test_the_pool_does_not_depend_on_which_budgets_a_run_evaluates():
     """The flow may evaluate budgets 1 and 4 and the benchmark 1, 4 and 16: with one ``pool_volumes``
     both draw the same volumes for a budget and seed, so their scores can be compared."""
-    few = downstream.recipe_of(EvalConfig(budgets=(1, 4), pool_volumes=16))
-    many = downstream.recipe_of(EvalConfig(budgets=(1, 4, 16), pool_volumes=16))
+    few = EvalConfig(budgets=(1, 4), pool_volumes=16)
+    many = EvalConfig(budgets=(1, 4, 16), pool_volumes=16)
     assert labelled.pool_size(few.pool_volumes, few.budgets) == 16
     assert labelled.pool_size(many.pool_volumes, many.budgets) == 16
     assert labelled.pool_size(0, (1, 4)) == 4  # 0: the largest budget
-    small = [downstream.recipe_of(EvalConfig(budgets=b, pool_volumes=3, volume=(32, 32, 64))) for b in ((1,), (1, 2))]
+    small = [EvalConfig(budgets=b, pool_volumes=3, volume=(32, 32, 64)) for b in ((1,), (1, 2))]
     pools = [labelled.evaluation_pool(r) for r in small]
     assert len(pools[0]) == len(pools[1]) == 3
     assert all(np.array_equal(a, b) and np.array_equal(f, g) for (a, f), (b, g) in zip(*pools))
@@ -308,17 +219,22 @@ def test_the_pool_does_not_depend_on_which_budgets_a_run_evaluates():
     assert draw(indices, 4, 2) == draw(indices, 4, 2) != draw(indices, 4, 1)
 
 
-def test_the_random_arm_fine_tunes_at_its_own_learning_rate(fault_trained_encoder, volumes):
-    """``finetune_lr_random`` changes the random-init arm and nothing else: its scores are those of the
-    whole recipe at that rate, and the pretrained arm's stay those of ``finetune_lr``."""
-    base = dict(budgets=(1,), seeds=1, test_volumes=1, volume=(32, 32, 64), finetune_steps=10, probes=False)
+def test_each_arm_keeps_the_rate_of_its_grid_its_validation_labels_prefer(fault_trained_encoder, volumes):
+    """A grid of peak rates (``lrs`` for the pretrained arm, ``lrs_random`` for the random one) trains each arm at
+    every rate and keeps the one with the best validation score: its scores are those of a run at that rate
+    alone, and each arm's grid changes that arm and nothing else."""
+    base = dict(budgets=(1,), seeds=1, test_volumes=1, volume=(32, 32, 64), probes=False, validation_volumes=1)
     pool, test = volumes[0], volumes[1][:1]
     runs = {}
-    for name, kw in (("slow", dict(finetune_lr=1e-4)), ("fast", dict(finetune_lr=3e-2)),
-                     ("own", dict(finetune_lr=1e-4, finetune_lr_random=3e-2))):
-        recipe = downstream.recipe_of(EvalConfig(**base, **kw))
-        runs[name] = downstream.evaluate_downstream(fault_trained_encoder, recipe, pool=pool, test=test)["downstream"]["budgets"]["1"]
-    assert runs["own"]["ft_random"] == runs["fast"]["ft_random"] != runs["slow"]["ft_random"]
-    assert runs["own"]["ft_pretrained"] == runs["slow"]["ft_pretrained"] != runs["fast"]["ft_pretrained"]
-    with pytest.raises(SFMError, match="finetune_lr_random"):
-        JobConfig.from_toml(None, ["eval.finetune_lr_random=-1"]).validate()
+    for name, rates in (("slow", ((1e-4,), (1e-4,))), ("fast", ((3e-2,), (3e-2,))),
+                        ("grids", ((1e-4, 3e-2), (3e-2,)))):
+        recipe = evaluation({"steps": 10, "lrs": rates[0], "lrs_random": rates[1]}, **base)
+        runs[name] = downstream.evaluate_downstream(fault_trained_encoder, recipe, pool=pool,
+                                                    test=test)["downstream"]["budgets"]["1"]
+    assert runs["grids"]["ft_random"] == runs["fast"]["ft_random"] != runs["slow"]["ft_random"]
+    (kept,) = runs["grids"]["ft_pretrained"]
+    alone = runs["slow" if kept["lr"] == 1e-4 else "fast"]["ft_pretrained"][0]
+    assert kept == alone and alone["validation_score"] == max(
+        r["ft_pretrained"][0]["validation_score"] for r in (runs["slow"], runs["fast"]))
+    with pytest.raises(SFMError, match="eval.finetune.lrs_random"):
+        JobConfig.from_toml(None, ["eval.finetune.lrs_random=[-1]"]).validate()

@@ -64,10 +64,12 @@ def test_held_out_lines_are_the_far_end_of_the_labelled_ones(labelled):
     split = samples.split_roles(surveys, ["train"], validation=0.2, held_out=0.2)
     assert np.flatnonzero(split.train[0].any(axis=1)).tolist() == [0, 8, 16]
     (part,) = split.test
-    assert part.axis == 0 and part.hi - part.lo == CROP[0] and part.lo <= 32 < part.hi  # a crop's slab around it
-    amplitude, labels = surveys.read_part(part)
-    assert amplitude.shape == (CROP[0], *SHAPE[1:]) and (labels[32 - part.lo] != 255).all()
-    assert (np.delete(labels, 32 - part.lo, axis=0) == 255).all()  # only the held-out line is scored
+    assert (part.axis, part.lo, part.hi) == (0, 32, 33)  # the held-out line
+    read = surveys.read_part(part, overlap=0.5)
+    assert read.labels.shape == (1, *SHAPE[1:]) and (read.labels != 255).all()  # only the held-out line is scored
+    # the amplitude of every window that reaches it, on the whole survey's grid (windows at 0, 8, 16, 24 of 40)
+    assert read.start == (24, 0, 0) and read.amplitude.shape == (SHAPE[0] - 24, *SHAPE[1:])
+    assert read.grid.axes[0].starts == [0, 8, 16, 24] and read.box_amplitude().shape == (1, *SHAPE[1:])
     crosslines = np.zeros((12, 40), bool)
     crosslines[:, ::5] = True  # labels on every 5th crossline only: the crosslines are the lines
     (block,) = samples.split_lines(crosslines, (0.25,))
@@ -121,8 +123,9 @@ def test_held_out_scores_count_labelled_voxels_only_per_class():
 
 def test_a_classes_task_fine_tunes_from_random_init_and_scores_every_class(tmp_path, capsys):
     """The run's mechanics in one process (what each rank and the evaluate step do): three classes, held out by
-    a fraction of the labelled lines, a model saved with its task, scores per class; plain progress lines
-    (stderr is not a terminal) with each phase's step count and loss."""
+    a fraction of the labelled lines, a grid of two rates of which the validation labels keep one, a model saved
+    with its task and the prediction settings, scores per class; plain progress lines (stderr is not a terminal)
+    with each phase's step count and loss."""
     from sfm.finetune import job as ftjob
     from sfm.finetune import run
     from sfm.synth.survey import synth_survey
@@ -134,23 +137,32 @@ def test_a_classes_task_fine_tunes_from_random_init_and_scores_every_class(tmp_p
     classes = np.broadcast_to((np.arange(36) * 3 // 36)[None, :, None], (40, 36, 48))  # thirds of the crosslines
     np.save(tmp_path / "classes.npy", classes.astype(np.uint8))
     cfg = JobConfig.from_toml(None, ["finetune.steps=2", "finetune.probe_steps=1", "finetune.batch_size=2",
-                                     "finetune.validate_every=1", "finetune.test_augment=false",
+                                     "finetune.validate_every=1", "finetune.lrs_random=[1e-3, 1e-2]",
                                      "train.threads_per_process=1"])
     pairs = ingest_pairs(run.plan_pairs(made["segy"], str(tmp_path / "classes.npy")), root, cfg.ingest)
-    job = run.node_job(cfg, pairs, run.resolve_encoder("random", root, cfg), "classes:3", str(tmp_path / "run"))
-    summary = ftjob.fine_tune(job)
+    arms = run.resolve_arms("random", root, cfg)
+    assert [(a.kind, a.crop, a.reference) for a in arms] == [("random", (32, 32, 32), "the config's [model]")]
+    job = run.node_job(cfg, pairs, arms, "classes:3", str(tmp_path / "run"))
+    summary = ftjob.finetune_runs(job)
     assert summary["steps"] == 2 and [s for s, _ in summary["validation"]] == [0, 1, 2]
+    assert [r["lr"] for r in summary["runs"]] == [1e-3, 1e-2] and summary["rates"] == [1e-3, 1e-2]
+    kept = max(summary["runs"], key=lambda r: r["validation_score"])
+    assert summary["lr"] == kept["lr"] and summary["validation_score"] == kept["validation_score"]
     lines = capsys.readouterr().err.splitlines()
-    assert any(line.startswith("fine-tune: linear probe: step 1/1 (100.0%), loss ") for line in lines), lines
-    assert [line.split(",")[0] for line in lines if line.startswith("fine-tune: step")] == [
-        "fine-tune: step 1/2 (50.0%)", "fine-tune: step 2/2 (100.0%)"]  # the first step, then the last at close
+    for lr in ("0.001", "0.01"):
+        name = f"fine-tune random seed 0 lr {lr}"
+        assert any(line.startswith(f"{name}: linear probe: step 1/1 (100.0%), loss ") for line in lines), lines
+        assert [line.split(",")[0] for line in lines if line.startswith(f"{name}: step")] == [
+            f"{name}: step 1/2 (50.0%)", f"{name}: step 2/2 (100.0%)"]  # the first step, then the last at close
     net = load_segmenter(summary["model_url"])
     assert net.task.name == "classes:3" and net.meta["lineage"]["encoder"] == "random"
+    assert net.meta["predict"] == {"overlap": 0.5, "mirror": False}  # what sfm predict runs it with by default
     metrics, figures = run.evaluate(job, summary)
     assert set(metrics["per_class"]) == {"0", "1", "2"} and "threshold" not in metrics
+    assert metrics["lr"] == summary["lr"] and list(metrics["arms"]) == ["random"]
     assert figures["prediction"].shape[0] == 3 and figures["prediction"].shape[1:] == figures["labels"].shape
     with pytest.raises(SFMError, match="pass --task classes:3"):
-        ftjob.fine_tune(dataclasses.replace(job, task="binary"))
+        ftjob.finetune_runs(dataclasses.replace(job, task="binary"))
 
 
 def test_a_fine_tuning_process_reports_a_bad_job_file_in_one_line(tmp_path, capsys):

@@ -65,13 +65,18 @@ def test_a_pretraining_job_survives_its_job_file(tmp_path):
 def test_a_fine_tuning_job_survives_its_job_file(tmp_path):
     from sfm.finetune.job import FinetuneJob
 
-    job = FinetuneJob(JobConfig().override(seed=3), "s3://b/sfm/registry/sfm-mae/v2", "sfm-mae:v2", "classes:3",
-                      "/runs/ft", [("s3://b/a.zarr", "s3://b/a-labels.zarr"), ("s3://b/c.zarr", "s3://b/c-l.zarr")],
+    from sfm.finetune.job import Arm
+
+    arms = [Arm("pretrained", "sfm-mae:v2", (32, 32, 64), url="s3://b/sfm/registry/sfm-mae/v2"),
+            Arm("random", "random", (32, 32, 64), model={"crop": [32, 32, 64]}, reference="sfm-mae:v2"),
+            Arm("unet", "unet", (32, 32, 64), reference="sfm-mae:v2")]
+    job = FinetuneJob(JobConfig().override(seed=3, seeds=2), arms, "classes:3", "/runs/ft",
+                      [("s3://b/a.zarr", "s3://b/a-labels.zarr"), ("s3://b/c.zarr", "s3://b/c-l.zarr")],
                       ["train", "test"], ["lab-a", "lab-c"])
     (tmp_path / "job.json").write_text(job.to_json())
     again = FinetuneJob.read(str(tmp_path / "job.json"))
-    assert again == job and again.config.finetune.seed == 3
-    assert again.lineage == {"encoder": "sfm-mae:v2", "labels": ["lab-a", "lab-c"]}
+    assert again == job and again.config.finetune.seed == 3 and again.seeds == [3, 4]
+    assert again.lineage_of(arms[1]) == {"encoder": "random", "arm": "random", "labels": ["lab-a", "lab-c"]}
 
 
 def test_a_flow_config_is_parsed_once_per_process_and_each_reader_gets_its_own(monkeypatch):

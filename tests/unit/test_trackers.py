@@ -5,6 +5,7 @@ logs its losses, validation and held-out scores to TensorBoard under the run roo
 from __future__ import annotations
 
 import importlib.util
+import os
 import tempfile
 
 import numpy as np
@@ -68,7 +69,8 @@ def scalars(folder) -> dict[str, list[tuple[int, float]]]:
 def test_fine_tuning_logs_its_losses_and_scores_to_tensorboard_and_mlflow(tmp_path, monkeypatch):
     """A fine-tune run in one process (what rank 0 and the flow's evaluate step do) with trackers tensorboard and
     mlflow (``registry.mlflow_uri``, a sqlite backend): each step's loss of the probe and of the fine-tuning, every
-    validation score and the held-out scores reach ``<run_root>/tensorboard/sfm-finetune/`` and one MLflow run."""
+    validation score (each run of the arm's grid under its own name) and the held-out scores reach
+    ``<run_root>/tensorboard/sfm-finetune/`` and one MLflow run."""
     from mlflow import MlflowClient
 
     from sfm.finetune import job as ftjob
@@ -88,19 +90,24 @@ def test_fine_tuning_logs_its_losses_and_scores_to_tensorboard_and_mlflow(tmp_pa
     np.save(tmp_path / "labels.npy", labels)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = JobConfig.from_toml(None, ["finetune.steps=2", "finetune.probe_steps=1", "finetune.batch_size=2",
-                                     "finetune.validate_every=1", "finetune.test_augment=false",
+                                     "finetune.validate_every=1", "finetune.lrs_random=[1e-3, 1e-2]",
                                      "train.threads_per_process=1", 'train.trackers=["tensorboard", "mlflow"]',
                                      f"registry.mlflow_uri={uri}"])
     cfg.validate()
     pairs = ingest_pairs(run.plan_pairs(made["segy"], str(tmp_path / "labels.npy")), root, cfg.ingest)
-    job = run.node_job(cfg, pairs, run.resolve_encoder("random", root, cfg), "binary", str(tmp_path / "run"))
-    summary = ftjob.fine_tune(job)
+    job = run.node_job(cfg, pairs, run.resolve_arms("random", root, cfg), "binary", str(tmp_path / "run"))
+    summary = ftjob.finetune_runs(job)
     folder = tmp_path / "run" / "tensorboard" / "sfm-finetune"
     shown = scalars(folder)
-    assert [s for s, _ in shown["probe/loss"]] == [1] and [s for s, _ in shown["finetune/loss"]] == [1, 2]
-    assert [s for s, _ in shown["finetune/validation_score"]] == [s for s, _ in summary["validation"]] == [0, 1, 2]
-    assert [v for _, v in shown["finetune/validation_score"]] == pytest.approx([v for _, v in summary["validation"]])
+    for one in summary["runs"]:
+        tag = f"random/seed0/lr{one['lr']:g}"
+        assert [s for s, _ in shown[f"{tag}/probe/loss"]] == [1]
+        assert [s for s, _ in shown[f"{tag}/finetune/loss"]] == [1, 2]
+        scores = shown[f"{tag}/finetune/validation_score"]
+        assert [s for s, _ in scores] == [s for s, _ in one["validation"]] == [0, 1, 2]
+        assert [v for _, v in scores] == pytest.approx([v for _, v in one["validation"]])
     metrics, _ = run.evaluate(job, summary)
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # the job's URI is not handed to what this process does next
     shown = scalars(folder)
     assert shown["held_out/ap"] == [(2, pytest.approx(metrics["ap"], rel=1e-6))]
     assert {"held_out/f1", "held_out/iou"} <= set(shown)
@@ -110,7 +117,7 @@ def test_fine_tuning_logs_its_losses_and_scores_to_tensorboard_and_mlflow(tmp_pa
     runs = client.search_runs([client.get_experiment_by_name("sfm-finetune").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # the held-out scores went to the run's own
     run_id = runs[0].info.run_id
-    assert [m.step for m in client.get_metric_history(run_id, "finetune/loss")] == [1, 2]
+    assert [m.step for m in client.get_metric_history(run_id, "random/seed0/lr0.001/finetune/loss")] == [1, 2]
     assert runs[0].data.metrics["held_out/ap"] == pytest.approx(metrics["ap"], rel=1e-6)
     assert runs[0].data.params["task"] == "binary" and runs[0].data.params["finetune.steps"] == "2"
     assert "registry.mlflow_uri" not in runs[0].data.params
