@@ -104,12 +104,14 @@ def _cmd_predict(args: argparse.Namespace) -> None:
     """Predict a survey with a task model: one JSON line on stdout, one summary line on stderr. The settings are the
     job config's [predict] (--config), the flags given, then --set, as the predict flow's."""
     from sfm.config import JobConfig
+    from sfm.ingest.survey import survey_store
     from sfm.predict import PredictOptions, predict
 
     settings = JobConfig.from_toml(args.config or None).override(
         set_values(args), output=args.output, mirror=args.mirror, layout=args.layout, parts=args.parts,
         overlap=args.overlap, batch_size=args.batch_size, device=args.device).predict
-    opts = PredictOptions.of(settings, model=args.model, survey=args.survey, out=args.out, data_root=args.data_root,
+    survey = survey_store(args.survey, args.data_root)  # a survey id, a store, or a SEG-Y / MDIO ingested first
+    opts = PredictOptions.of(settings, model=args.model, survey=survey, out=args.out, data_root=args.data_root,
                              segy=args.segy)
     result = predict(opts, part=args.part, progress=True)  # a bar on a terminal, plain lines in a log
     print(json.dumps(result))

@@ -53,13 +53,14 @@ class PredictFlow(FlowSpec):
 
     @step
     def start(self):
+        from sfm.ingest.survey import survey_store
         from sfm.predict import PredictOptions, plan_prediction
 
         with in_flow():
             job = flow_job(self.config, self.overrides, output=self.output, mirror=self.mirror, layout=self.layout,
                            parts=self.parts, overlap=self.overlap, batch_size=self.batch_size)
-            opts = PredictOptions.of(job.predict, model=self.model, survey=self.survey, out=self.out,
-                                     data_root=self.data_root, segy=self.segy)
+            opts = PredictOptions.of(job.predict, model=self.model, survey=survey_store(self.survey, self.data_root),
+                                     out=self.out, data_root=self.data_root, segy=self.segy)
             plan = plan_prediction(opts)
         self.store_url, self.part_ids = plan.out, list(range(len(plan.rows)))
         self.next(self.predict, foreach="part_ids")

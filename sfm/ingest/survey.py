@@ -25,6 +25,8 @@ a rerun, and two ingests of the same file at once cannot corrupt each other.
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 import time
 from typing import Any
 
@@ -103,6 +105,30 @@ def survey_row(survey: str, data_root: str, cfg: IngestConfig | None = None) -> 
             raise SFMError(f"survey store {survey} is not published in {data_root}; name its SEG-Y to ingest it")
         return row
     return ingest_survey(survey, data_root, cfg)
+
+
+def survey_store(survey: str, data_root: str) -> str:
+    """The survey store URL a prediction's ``--survey`` names (``sfm predict``, the predict flow): a survey id
+    published in ``data_root``, a survey store's URL, or a SEG-Y file or MDIO store, ingested into ``data_root`` first
+    as the fine-tune flow ingests (the same file twice is found, not copied: :func:`survey_row`); a line on stderr
+    names what was ingested."""
+    value = str(survey).strip()
+    if manifest.is_id(value):
+        row = manifest.get_row(data_root, value)
+        if row is None:
+            raise SFMError(f"--survey {value} is not a survey published in {data_root}; pass the --data-root it was "
+                           "ingested into, its store URL, or its SEG-Y")
+        return row["store_url"]
+    url = storage.normalize(value)
+    meta = storage.join(url, "zarr.json")
+    if storage.exists(meta) and "survey_id" in (json.loads(storage.read_bytes(meta)).get("attributes") or {}):
+        return url  # a survey store (in either layout)
+    if not storage.exists(url) and not is_mdio(url):
+        raise SFMError(f"--survey {value}: nothing there; give a survey id, a survey store URL, or a SEG-Y / MDIO "
+                       "file to ingest")
+    row = survey_row(url, data_root)
+    print(f"sfm predict: survey {row['survey_id']} ({row['name']}) at {row['store_url']}", file=sys.stderr, flush=True)
+    return row["store_url"]
 
 
 def _report(attrs: dict[str, Any], timings: dict[str, float], seconds: float) -> dict[str, Any]:

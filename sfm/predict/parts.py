@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +25,6 @@ from typing import Any
 from sfm import storage
 from sfm.config import DATA_ROOT, PredictConfig
 from sfm.errors import SFMError
-from sfm.formats import manifest
 from sfm.predict import store
 from sfm.predict.store import PredictionPlan
 
@@ -38,7 +36,8 @@ class PredictOptions:
     whose defaults these are)."""
 
     model: str  # a model reference (NAME[:vN|:latest|:champion]) in data_root's registry, or a task model's folder
-    survey: str  # a survey id, a survey store's URL, or a SEG-Y / MDIO source (ingested into data_root first)
+    survey: str  # the survey store's URL (sfm predict and the flow find it for an id or a SEG-Y / MDIO source first:
+    # sfm.ingest.survey.survey_store)
     out: str  # the prediction store's URL
     data_root: str = DATA_ROOT
     output: str = PredictConfig.output  # probability | classes
@@ -76,32 +75,6 @@ def device_of(name: str) -> str:
 DEFAULT_OVERLAP = 0.5  # windows' overlap for a task model that records none (exported before it recorded one)
 
 
-def survey_store(survey: str, data_root: str) -> str:
-    """The survey store URL ``--survey`` names: a survey id published in ``data_root``, a survey store's URL, or a
-    SEG-Y file or MDIO store, ingested into ``data_root`` first as the fine-tune flow ingests (the same file twice
-    is found, not copied: :func:`sfm.ingest.survey.survey_row`)."""
-    from sfm.ingest.mdio_source import is_mdio
-    from sfm.ingest.survey import survey_row
-
-    value = str(survey).strip()
-    if manifest.is_id(value):
-        row = manifest.get_row(data_root, value)
-        if row is None:
-            raise SFMError(f"--survey {value} is not a survey published in {data_root}; pass the --data-root it was "
-                           "ingested into, its store URL, or its SEG-Y")
-        return row["store_url"]
-    url = storage.normalize(value)
-    meta = storage.join(url, "zarr.json")
-    if storage.exists(meta) and "survey_id" in (json.loads(storage.read_bytes(meta)).get("attributes") or {}):
-        return url  # a survey store (in either layout)
-    if not storage.exists(url) and not is_mdio(url):
-        raise SFMError(f"--survey {value}: nothing there; give a survey id, a survey store URL, or a SEG-Y / MDIO "
-                       "file to ingest")
-    row = survey_row(url, data_root)
-    print(f"sfm predict: survey {row['survey_id']} ({row['name']}) at {row['store_url']}", file=sys.stderr, flush=True)
-    return row["store_url"]
-
-
 def _survey_info(url: str):
     from sfm.data.survey import read_survey_info
 
@@ -137,7 +110,7 @@ def plan_prediction(opts: PredictOptions) -> PredictionPlan:
     if store.published(out):
         raise SFMError(f"--out {out} already holds a published store; choose another --out, or remove it first")
     model = load_task_model(opts.model, opts.data_root)
-    survey = survey_store(opts.survey, opts.data_root)
+    survey = storage.normalize(opts.survey)
     info = _survey_info(survey)
     recorded = (getattr(model.net, "meta", None) or {}).get("predict") or {}  # how its scores were measured
     overlap = float(opts.overlap if opts.overlap is not None else recorded.get("overlap", DEFAULT_OVERLAP))
