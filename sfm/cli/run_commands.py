@@ -10,7 +10,7 @@ import sys
 from sfm.cli.options import set_argument, set_values
 from sfm.config import DATA_ROOT, LAUNCHERS, STRATEGIES
 from sfm.errors import SFMError
-from sfm.flows import FLOWS
+from sfm.ops.flow_files import FLOWS
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -129,10 +129,10 @@ def _job_arguments(p: argparse.ArgumentParser) -> None:
 
 def _cmd_flow(args: argparse.Namespace) -> None:
     """Run a packaged flow: this process becomes ``python sfm/flows/NAME_flow.py ARGS``
-    (:func:`sfm.flows.flow_command`), so Metaflow has the terminal, the signals and the exit status."""
+    (:func:`sfm.ops.flow_files.flow_command`), so Metaflow has the terminal, the signals and the exit status."""
     import os
 
-    from sfm.flows import flow_command
+    from sfm.ops.flow_files import flow_command
 
     command = flow_command(args.flow, args.args)
     sys.stdout.flush()

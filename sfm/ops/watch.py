@@ -51,7 +51,7 @@ from typing import Any
 from sfm import storage  # manifest and registry (pandas, jsonschema) load where used: the flow imports this module
 from sfm.config import JobConfig, toml_text
 from sfm.errors import SFMError
-from sfm.flows import flow_file
+from sfm.ops.flow_files import flow_file
 
 SEGY_SUFFIXES = (".sgy", ".segy")
 # the pretrain flow is a file of the package (sfm/flows/pretrain_flow.py, what `sfm flow pretrain` runs), so an
