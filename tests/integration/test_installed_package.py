@@ -145,7 +145,7 @@ def test_installed_package_ingests_trains_runs_the_flow_and_loads_from_the_regis
                      work, env, 300)
     labelled = json.loads(ingested.stdout.strip().splitlines()[-1])["store_url"]
     fast = ["--set", "finetune.steps=4;finetune.probe_steps=2;finetune.validate_every=2", "--set",
-            "finetune.batch_size=2;finetune.test_augment=false;train.threads_per_process=1"]  # sfm flow joins them
+            "finetune.batch_size=2;finetune.lrs=[1e-3];train.threads_per_process=1"]  # sfm flow joins them
     tuned = timed("sfm flow finetune", [str(bin_ / "sfm"), "flow", "finetune", "run", "--surveys", labelled,
                                         "--labels", "labelled.faults.npy", "--held-out", "0.25", "--task-name",
                                         "faults", "--encoder", "sfm-mae:v1", *fast], work, env, 900)

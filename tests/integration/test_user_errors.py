@@ -16,6 +16,7 @@ from conftest import free_port
 pytestmark = pytest.mark.long(3)
 
 DEAD = "http://127.0.0.1:{port}"  # nothing listens there: connections are refused at once
+ATTEMPTS = "2"  # AWS_MAX_ATTEMPTS: botocore retries a refused connection with backoff (10 attempts: about a minute)
 
 
 def user_error_lines(output: str, command: str) -> list[str]:
@@ -24,7 +25,8 @@ def user_error_lines(output: str, command: str) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_an_unreachable_bucket_in_a_training_job_is_one_line_from_the_rank_and_the_command(tmp_path, s3_server):
-    env = {**os.environ, **s3_server.env(), "SFM_S3_ENDPOINT_URL": DEAD.format(port=free_port())}
+    env = {**os.environ, **s3_server.env(), "SFM_S3_ENDPOINT_URL": DEAD.format(port=free_port()),
+           "AWS_MAX_ATTEMPTS": ATTEMPTS}
     proc = subprocess.run(
         [sys.executable, "-m", "sfm.cli", "train", "--surveys", "s3://no-bucket/surveys/0123456789abcdef.zarr",
          "--run-root", str(tmp_path / "run"), "--set", "model.preset=tiny;train.max_steps=2;data.retry_seconds=1"],
@@ -48,7 +50,7 @@ def test_an_unreachable_bucket_in_the_flows_training_job_is_one_line_from_the_ra
     dead = DEAD.format(port=free_port())
     config = tmp_path / "job.toml"
     config.write_text(fast_job_toml(train={"max_steps": 2}, data={"retry_seconds": 1},
-                                    cluster={"env": f"SFM_S3_ENDPOINT_URL={dead}"}))
+                                    cluster={"env": f"SFM_S3_ENDPOINT_URL={dead},AWS_MAX_ATTEMPTS={ATTEMPTS}"}))
     env = {**metaflow_env, **s3_server.env()}
     result = run_flow(env, cwd=str(tmp_path), top_level={"config": [("config", str(config))]},
                       data_root=f"{bucket}/sfm", surveys=str(segy_dir / "f3.sgy"),
