@@ -12,7 +12,7 @@ from sfm.errors import SFMError
 
 @dataclass
 class FinetuneConfig:
-    """The one fine-tuning recipe (sfm.finetune.loop): the fine-tune flow's ``[finetune]`` (flows/finetune_flow.py,
+    """The one fine-tuning recipe (sfm.finetune.loop): the fine-tune flow's ``[finetune]`` (sfm flow finetune,
     sfm.finetune) and, as ``[eval.finetune]``, the pretrain evaluation's (sfm.eval.downstream). LP-FT, layer decay,
     early stopping, augmentation; every arm's peak rate chosen on the validation labels from its grid; steps that
     grow with the labels, within a time budget; predictions scored through sfm predict's windows."""

@@ -1,4 +1,4 @@
-"""Fine-tuning a registered encoder on your own labels (flows/finetune_flow.py), against the baselines, in the
+"""Fine-tuning a registered encoder on your own labels (``sfm flow finetune``), against the baselines, in the
 order work flows:
 
 - :mod:`.samples`: labelled surveys read through :mod:`sfm.data` (crops drawn where labels are, their label
