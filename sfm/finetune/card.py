@@ -53,10 +53,21 @@ def classes_image(classes: np.ndarray) -> Image.Image:
     return picture(rgb)
 
 
+def picked(gray: np.ndarray, probability: np.ndarray, threshold: float) -> Image.Image:
+    """What a binary model picks on a line: the grey amplitude [rows, cols] (0..1) with the voxels whose
+    ``probability`` [rows, cols] reaches ``threshold`` (the model's own, chosen as its scores were) in red."""
+    rgb = np.stack([gray] * 3, axis=-1)
+    rgb[probability >= threshold] = PALETTE[1]
+    return picture(rgb)
+
+
 def line_panels(figures: dict[str, Any]) -> dict[str, Image.Image]:
     """The held-out line with the most labels (of those, the one with the most labels above class 0: a fault
     to see): amplitude (grey), labels, and each arm's prediction (class 1's probability for a binary task, the
-    most probable class otherwise): ``prediction`` alone for one arm, ``prediction (ARM)`` for several."""
+    most probable class otherwise): ``prediction`` alone for one arm, ``prediction (ARM)`` for several. A binary
+    arm with its threshold in ``figures["thresholds"]`` also shows what it picks there (:func:`picked`):
+    ``picked`` / ``picked (ARM)``. A probability scaled 0..1 can look like a whole block under class-balanced
+    training; the picked voxels are what its F1 scores."""
     labels, axis = figures["labels"], figures["axis"]
     across = tuple(a for a in range(3) if a != axis)
     labelled = (labels != LABEL_IGNORE).sum(axis=across)
@@ -68,10 +79,14 @@ def line_panels(figures: dict[str, Any]) -> dict[str, Image.Image]:
     panels = {"amplitude": picture(np.stack([gray] * 3, axis=-1)),
               "labels": classes_image(section(labels, axis, index))}
     predictions = figures.get("predictions") or {"": figures["prediction"]}
+    thresholds = figures.get("thresholds") or {}
     for arm, probs in predictions.items():
         prediction = section(probs, axis, index)
+        name = "" if len(predictions) == 1 else f" ({arm})"
         image = colorize(prediction * 2 - 1, 1.0) if prediction.ndim == 2 else classes_image(prediction.argmax(axis=0))
-        panels["prediction" if len(predictions) == 1 else f"prediction ({arm})"] = image
+        panels[f"prediction{name}"] = image
+        if prediction.ndim == 2 and thresholds.get(arm) is not None:
+            panels[f"picked{name}"] = picked(gray, prediction, thresholds[arm])
     return panels
 
 

@@ -174,7 +174,7 @@ def evaluate(job: FinetuneJob, summary: dict[str, Any]) -> tuple[dict[str, Any],
     and mirroring), and the figures of the card. The metrics are the registered model's (the best on the
     validation labels: ``summary["best"]``), with ``runs`` (every arm and seed) and ``arms`` (each arm's mean and
     sd over the seeds: :func:`spread`) beside them; the figures: the first held-out part's amplitude, labels and
-    each arm's prediction (its best seed on the validation labels)."""
+    each arm's prediction (its best seed on the validation labels) with the threshold its scores used."""
     from sfm.finetune.samples import LabelledSurveys, finetune_data, split_roles
     from sfm.finetune.scores import held_out_scores, threshold_of
     from sfm.model.segmenter import load_segmenter
@@ -186,7 +186,7 @@ def evaluate(job: FinetuneJob, summary: dict[str, Any]) -> tuple[dict[str, Any],
     split = split_roles(surveys, job.roles, ft.validation, ft.held_out)
     validation = [surveys.read_part(p, ft.overlap) for p in split.validation]
     test = [surveys.read_part(p, ft.overlap) for p in split.test]
-    runs, predictions = [], {}
+    runs, predictions, thresholds = [], {}, {}
     for kept in summary["kept"]:
         net = load_segmenter(kept["model_url"])
         threshold, chosen_on = None, "the held-out labels (no validation labels)"
@@ -202,12 +202,14 @@ def evaluate(job: FinetuneJob, summary: dict[str, Any]) -> tuple[dict[str, Any],
                        key=lambda r: ranked(r["validation_score"]))
         if kept is arm_best:
             predictions[kept["arm"]] = probs[0]
+            thresholds[kept["arm"]] = scores.get("threshold")  # a binary task's; None for classes
     best = runs[summary["best"]]
     metrics = {**{k: v for k, v in best.items() if k not in ("encoder",)}, "held_out_parts": len(test),
                "runs": runs, "arms": spread(runs)}
     metrics.update(margins(runs))
     first = split.test[0]
     figures = {"amplitude": test[0].box_amplitude(), "labels": test[0].labels, "predictions": predictions,
+               "thresholds": thresholds,
                "prediction": predictions[best["arm"]], "axis": first.axis, "survey": job.pairs[first.survey][0],
                "task": job.arms[[a.kind for a in job.arms].index(best["arm"])].task(job.task, ft).to_dict()}
     log_scores(cfg, job.run_root, "sfm-finetune", metrics, summary["steps"], "held_out")  # beside the losses

@@ -135,8 +135,9 @@ def test_labels_on_every_eighth_inline_train_and_the_card_shows_a_held_out_line(
     walk(json.loads(data))
     images = {c["label"]: Image.open(io.BytesIO(base64.b64decode(c["src"].split(",", 1)[1])))
               for c in found if c.get("type") == "image"}
-    assert set(images) == {"amplitude", "labels", "prediction (pretrained)", "prediction (random)",
-                           "prediction (unet)"}, sorted(images)
+    arms = ("pretrained", "random", "unet")  # each arm's probability, and what it picks at its threshold
+    assert set(images) == {"amplitude", "labels", *(f"{kind} ({arm})" for arm in arms
+                                                    for kind in ("prediction", "picked"))}, sorted(images)
     assert {im.size for im in images.values()} == {(4 * SHAPE[1], 4 * SHAPE[2])}  # one held-out inline, time down
     assert "Every arm on the held-out labels" in data and "F1 at 2 voxels" in data
 

@@ -178,3 +178,26 @@ def test_a_fine_tuning_process_reports_a_bad_job_file_in_one_line(tmp_path, caps
     assert not (tmp_path / "run").exists()
     assert finetune_job.main([]) == 2
     assert capsys.readouterr().err.strip() == "usage: python -m sfm.finetune.job JOB.json"
+
+
+def test_the_line_pictures_show_what_each_arm_picks_at_its_own_threshold():
+    from sfm.finetune.card import PALETTE, SCALE, line_panels
+
+    rng = np.random.default_rng(0)
+    shape = (6, 5, 8)
+    labels = np.full(shape, 255, np.uint8)
+    labels[2] = rng.random(shape[1:]) > 0.7  # inline 2 is the only labelled line
+    probs = {"pretrained": rng.random(shape).astype(np.float32), "unet": rng.random(shape).astype(np.float32)}
+    figures = {"amplitude": rng.standard_normal(shape).astype(np.float32), "labels": labels, "axis": 0,
+               "predictions": probs, "thresholds": {"pretrained": 0.8, "unet": 0.3}}
+    panels = line_panels(figures)
+    assert list(panels) == ["amplitude", "labels", "prediction (pretrained)", "picked (pretrained)",
+                            "prediction (unet)", "picked (unet)"]
+    red = (np.asarray(PALETTE[1]) * 255).round()
+    for arm, threshold in figures["thresholds"].items():
+        image = np.asarray(panels[f"picked ({arm})"])[::SCALE, ::SCALE].astype(float)  # one pixel per voxel
+        assert image.shape[:2] == (shape[2], shape[1])  # time down
+        shown = np.all(image == red, axis=-1)
+        assert np.array_equal(shown, probs[arm][2].T >= threshold)
+    # without thresholds (a classes task, or figures from before them) only the probabilities are drawn
+    assert "picked (unet)" not in line_panels({**figures, "thresholds": {"unet": None}})
