@@ -22,8 +22,8 @@ seeds); each arm trains at every peak rate of its own grid (``lrs``, ``lrs_rando
 validation labels prefer, as MAE tunes its from-scratch baselines apart: at the rate that suits a pretrained encoder
 a random one is under-trained in a short fine-tuning, and the gain would flatter pretraining.
 
-Frozen probes, with no hand-made features: the same linear head trained on the frozen encoder's
-tokens, and k-nearest neighbours (each test token's voxels get the mean label patch of its most
+Frozen probes, with no hand-made features: the same linear head fitted to its optimum on the frozen
+encoder's tokens (:func:`train_linear_head`, also the LP-FT start), and k-nearest neighbours (each test token's voxels get the mean label patch of its most
 similar training tokens, cosine similarity).
 
 Early stopping, the same for both initialisations: the network keeps the weights of the step (every
@@ -62,9 +62,10 @@ from sfm.finetune.loop import RunHooks, Schedule, balanced_bce, planned_steps, p
 from sfm.model.segmenter import Segmenter, Task
 from sfm.predict.windows import WindowGrid, add_window, cut_window, predict_volume
 from sfm.progress import Progress
-from sfm.train.step import lr_at
 
-PROBE_STEPS = 300  # the frozen linear probe: full-batch steps on precomputed tokens
+PROBE_ITERATIONS = 100  # the frozen linear probe: at most this many L-BFGS iterations (it stops where it converges)
+PROBE_RIDGE = 1e-2  # ... and its ridge on the standardised tokens' weights of a voxel, small: it keeps the optimum
+# finite where the tokens separate the labels
 
 
 # ---- fine-tuning and probes -------------------------------------------------------------------------
@@ -172,24 +173,28 @@ def _assemble(mae: nn.Module, probs: torch.Tensor, volumes: list[Volume], origin
 
 
 def train_linear_head(x_train: torch.Tensor, y_train: torch.Tensor, seed: int) -> nn.Linear:
-    """A linear head per token on frozen tokens x_train [M, L, E] for labels y_train [M, L, P]
-    (:data:`PROBE_STEPS` full-batch steps):
-    class-balanced BCE, full-batch AdamW on standardised tokens, the standardisation then folded into
-    the weights, so the head takes raw tokens like ``Segmenter.head``."""
+    """A linear head per token on frozen tokens x_train [M, L, E] for labels y_train [M, L, P]: logistic
+    regression solved to its optimum (full-batch L-BFGS with a strong-Wolfe line search, at most
+    :data:`PROBE_ITERATIONS` iterations) on standardised tokens, class-balanced BCE plus a small ridge
+    (:data:`PROBE_RIDGE` / 2 * |W|^2 / P, the bias free), the standardisation then folded into the weights, so
+    the head takes raw tokens like ``Segmenter.head``. A probe at its optimum depends on the tokens alone, not on a step
+    count or rate (as linear-probe protocols fit logistic regression); the starting weights are seed ``seed``'s."""
     mean, std = x_train.mean(dim=(0, 1)), x_train.std(dim=(0, 1)) + 1e-6
     torch.manual_seed(seed)
     head = nn.Linear(x_train.shape[-1], y_train.shape[-1])
-    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2, weight_decay=1e-4)
+    optimizer = torch.optim.LBFGS(head.parameters(), lr=1.0, max_iter=PROBE_ITERATIONS, history_size=20,
+                                  line_search_fn="strong_wolfe")
     positive = float(y_train.mean())
     xs = (x_train - mean) / std
-    for step in range(PROBE_STEPS):
-        for group in optimizer.param_groups:
-            group["lr"] = 1e-2 * lr_at(step, lr=1.0, min_lr=0.0, warmup_steps=max(1, PROBE_STEPS // 10),
-                                       max_steps=PROBE_STEPS)
-        loss = balanced_bce(head(xs), y_train, positive)
+
+    def objective() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
+        ridge = 0.5 * PROBE_RIDGE * head.weight.square().sum() / head.out_features  # per voxel of the patch
+        loss = balanced_bce(head(xs), y_train, positive) + ridge
         loss.backward()
-        optimizer.step()
+        return loss
+
+    optimizer.step(objective)
     with torch.no_grad():  # head((x - mean) / std) == (W / std) x + (b - W (mean / std))
         head.bias -= head.weight @ (mean / std)
         head.weight /= std

@@ -238,3 +238,25 @@ def test_each_arm_keeps_the_rate_of_its_grid_its_validation_labels_prefer(fault_
         r["ft_pretrained"][0]["validation_score"] for r in (runs["slow"], runs["fast"]))
     with pytest.raises(SFMError, match="eval.finetune.lrs_random"):
         JobConfig.from_toml(None, ["eval.finetune.lrs_random=[-1]"]).validate()
+
+
+def test_the_linear_probe_is_the_optimum_of_its_objective_whatever_its_seed():
+    """The frozen linear probe is logistic regression at its optimum: the class-balanced BCE plus its ridge has no
+    gradient left there, and any starting weights end at the same probabilities."""
+    from sfm.finetune.loop import balanced_bce
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 20, 12, generator=gen) * 3 + 1  # tokens [M, L, E], not standardised
+    truth = torch.randn(12, 8, generator=gen)
+    y = ((x - 1) @ truth + torch.randn(6, 20, 8, generator=gen) * 2 > 3).float()  # label patches [M, L, P]
+    heads = [downstream.train_linear_head(x, y, seed) for seed in (0, 1)]
+    mean, std = x.mean(dim=(0, 1)), x.std(dim=(0, 1)) + 1e-6
+    xs, positive = (x - mean) / std, float(y.mean())
+    for head in heads:  # unfold the standardisation: the weights the solver saw
+        w = (head.weight * std).detach().requires_grad_()
+        b = (head.bias + head.weight @ mean).detach().requires_grad_()
+        loss = balanced_bce(xs @ w.T + b, y, positive) + 0.5 * downstream.PROBE_RIDGE * w.square().sum() / w.shape[0]
+        loss.backward()
+        assert max(w.grad.abs().max(), b.grad.abs().max()) < 1e-4
+    with torch.no_grad():  # the same probabilities from either start
+        assert torch.allclose(torch.sigmoid(heads[0](x)), torch.sigmoid(heads[1](x)), atol=1e-3)
