@@ -483,7 +483,7 @@ PARAMETERS = {"preset": "model.preset", "max_steps": "train.max_steps", "nodes":
               "ingest_parts": "ingest.parts", "init_from": "train.init_from", "seed": "finetune.seed",
                "seeds": "finetune.seeds",
                **{key: f"predict.{key}" for key in ("output", "mirror", "layout", "parts", "overlap", "batch_size",
-                                                    "device")}}
+                                                    "device", "threshold")}}
 
 
 

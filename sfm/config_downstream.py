@@ -118,6 +118,8 @@ class PredictConfig:
     # [finetune] overlap, recorded in the version; 0.5 for a model that records none)
     batch_size: int = 8  # windows per network call
     device: str = "auto"  # auto (a GPU if there is one) | cpu | cuda | cuda:N
+    threshold: float | None = None  # output = classes, a binary task: class 1 where its probability reaches this;
+    # not set: the threshold the task model's F1 was scored at (recorded in it; 0.5 for a model that records none)
 
     def check(self) -> None:
         """Every setting valid, or SFMError naming it and the fix."""
@@ -125,6 +127,9 @@ class PredictConfig:
         one_of("predict.layout", self.layout, LAYOUTS)
         if self.overlap is not None:
             fraction_in("predict.overlap", self.overlap, "[)", "the overlap of neighbouring windows, of a crop")
+        if self.threshold is not None:
+            fraction_in("predict.threshold", self.threshold, "()", "the probability at which a binary task's classes "
+                        "output marks class 1")
         at_least("predict", self, {"parts": 1, "batch_size": 1})
         check_device(self.device)
 

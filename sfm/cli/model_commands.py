@@ -109,7 +109,7 @@ def _cmd_predict(args: argparse.Namespace) -> None:
 
     settings = JobConfig.from_toml(args.config or None).override(
         set_values(args), output=args.output, mirror=args.mirror, layout=args.layout, parts=args.parts,
-        overlap=args.overlap, batch_size=args.batch_size, device=args.device).predict
+        overlap=args.overlap, batch_size=args.batch_size, device=args.device, threshold=args.threshold).predict
     survey = survey_store(args.survey, args.data_root)  # a survey id, a store, or a SEG-Y / MDIO ingested first
     opts = PredictOptions.of(settings, model=args.model, survey=survey, out=args.out, data_root=args.data_root,
                              segy=args.segy)
@@ -171,6 +171,9 @@ def add_commands(sub) -> None:
     p.add_argument("--overlap", type=float, help="overlap of neighbouring windows, a fraction of the crop (default: "
                    "the config's, else as the task model's held-out scores were measured, 0.5 for one that records "
                    "none)")
+    p.add_argument("--threshold", type=float, help="--output classes of a binary task: class 1 where its "
+                   "probability reaches this (default: the config's, else the threshold the task model's F1 was scored "
+                   "at, chosen on its validation labels; 0.5 for a model that records none)")
     p.add_argument("--batch-size", type=int, help="windows per network call (default: the config's, "
                    f"{PredictConfig.batch_size})")
     p.add_argument("--device", type=device, metavar="{" + ",".join(DEVICES) + "}",

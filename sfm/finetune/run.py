@@ -174,10 +174,11 @@ def evaluate(job: FinetuneJob, summary: dict[str, Any]) -> tuple[dict[str, Any],
     and mirroring), and the figures of the card. The metrics are the registered model's (the best on the
     validation labels: ``summary["best"]``), with ``runs`` (every arm and seed) and ``arms`` (each arm's mean and
     sd over the seeds: :func:`spread`) beside them; the figures: the first held-out part's amplitude, labels and
-    each arm's prediction (its best seed on the validation labels) with the threshold its scores used."""
+    each arm's prediction (its best seed on the validation labels) with the threshold its scores used. A binary
+    task model records that threshold beside its overlap and mirroring, for ``sfm predict --output classes``."""
     from sfm.finetune.samples import LabelledSurveys, finetune_data, split_roles
     from sfm.finetune.scores import held_out_scores, threshold_of
-    from sfm.model.segmenter import load_segmenter
+    from sfm.model.segmenter import load_segmenter, record_predict_settings
     from sfm.train.trackers import log_scores
 
     cfg = job.config
@@ -195,6 +196,8 @@ def evaluate(job: FinetuneJob, summary: dict[str, Any]) -> tuple[dict[str, Any],
             chosen_on = "the validation labels"
         probs = [p.predict(net, ft.mirror) for p in test]
         scores = held_out_scores(probs, [p.labels for p in test], threshold)
+        if "threshold" in scores:  # a binary task's: sfm predict --output classes marks class 1 from it
+            record_predict_settings(kept["model_url"], threshold=scores["threshold"])
         runs.append({**{k: kept[k] for k in ("arm", "seed", "lr", "steps", "steps_run", "chosen_step",
                                               "validation_score", "seconds", "encoder")},
                      **scores, "threshold_chosen_on": chosen_on})

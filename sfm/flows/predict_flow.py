@@ -47,6 +47,9 @@ class PredictFlow(FlowSpec):
     overlap = Parameter("overlap", default=config_expr("job_of(config).predict.overlap"), type=float,
                         help="window overlap, of a crop; default: the config's [predict] overlap, else the "
                         "task model's")
+    threshold = Parameter("threshold", default=config_expr("job_of(config).predict.threshold"), type=float,
+                          help="output classes of a binary task: class 1 from this probability; default: the config's "
+                          "[predict] threshold, else the task model's")
     batch_size = Parameter("batch-size", default=config_expr("job_of(config).predict.batch_size"), type=int,
                            help="windows per network call; default: the config's [predict] batch_size")
     overrides = Parameter("set", default="", help=SET_HELP)
@@ -58,7 +61,7 @@ class PredictFlow(FlowSpec):
 
         with in_flow():
             job = flow_job(self.config, self.overrides, output=self.output, mirror=self.mirror, layout=self.layout,
-                           parts=self.parts, overlap=self.overlap, batch_size=self.batch_size)
+                           parts=self.parts, overlap=self.overlap, batch_size=self.batch_size, threshold=self.threshold)
             opts = PredictOptions.of(job.predict, model=self.model, survey=survey_store(self.survey, self.data_root),
                                      out=self.out, data_root=self.data_root, segy=self.segy)
             plan = plan_prediction(opts)

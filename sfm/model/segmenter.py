@@ -257,6 +257,17 @@ def save_segmenter(net: Segmenter, url: str, meta: dict | None = None) -> None:
         storage.write_bytes(storage.join(url, name), files[name])
 
 
+def record_predict_settings(url: str, **settings) -> None:
+    """Add ``settings`` to the ``predict`` section of the config.json exported at ``url`` (how the task model's
+    held-out scores were measured, which ``sfm predict`` follows unless told otherwise: e.g. the threshold chosen on
+    the validation labels once they have been scored)."""
+    from sfm import storage
+
+    meta = json.loads(storage.read_bytes(storage.join(url, CONFIG)))
+    meta["predict"] = {**meta.get("predict", {}), **settings}
+    storage.write_bytes(storage.join(url, CONFIG), json.dumps(meta, indent=2, sort_keys=True).encode())
+
+
 def segmenter_from_files(config: bytes, weights: bytes, where: str) -> Segmenter:
     """The Segmenter a config.json and model.safetensors describe (``where`` names them in errors)."""
     from safetensors.torch import load as load_safetensors

@@ -49,6 +49,8 @@ class PredictOptions:
     overlap: float | None = PredictConfig.overlap  # of a crop, between neighbouring windows; None: the model's
     batch_size: int = PredictConfig.batch_size  # windows per network call
     device: str = PredictConfig.device  # auto (a GPU if there is one) | cpu | cuda | cuda:N
+    threshold: float | None = PredictConfig.threshold  # classes of a binary task: class 1 from this probability;
+    # None: the threshold the task model's F1 was scored at
 
     @classmethod
     def of(cls, settings: PredictConfig, **given: Any) -> "PredictOptions":
@@ -73,6 +75,7 @@ def device_of(name: str) -> str:
 
 
 DEFAULT_OVERLAP = 0.5  # windows' overlap for a task model that records none (exported before it recorded one)
+DEFAULT_THRESHOLD = 0.5  # a binary task's classes output for a model that records no threshold
 
 
 def _survey_info(url: str):
@@ -115,6 +118,7 @@ def plan_prediction(opts: PredictOptions) -> PredictionPlan:
     recorded = (getattr(model.net, "meta", None) or {}).get("predict") or {}  # how its scores were measured
     overlap = float(opts.overlap if opts.overlap is not None else recorded.get("overlap", DEFAULT_OVERLAP))
     mirror = bool(opts.mirror if opts.mirror is not None else recorded.get("mirror", False))
+    threshold = float(opts.threshold if opts.threshold is not None else recorded.get("threshold", DEFAULT_THRESHOLD))
     crop = tuple(int(c) for c in model.net.crop)
     shape, bricks, shards = store_shape(info, model.channels, opts.output)
     rows = split_runs(-(-shape[0] // bricks[0]), int(opts.parts))
@@ -123,17 +127,19 @@ def plan_prediction(opts: PredictOptions) -> PredictionPlan:
                        f"use at most {len(rows)} parts")
     settings = {"overlap": overlap, "mirror": mirror, "layout": opts.layout,
                 "segy": storage.normalize(opts.segy) if opts.segy else "", "crop": list(crop),
-                "channels": model.channels, "batch_size": int(opts.batch_size)}
+                "channels": model.channels, "batch_size": int(opts.batch_size), "threshold": threshold}
     resolved = f"{model.name}:v{model.version}" if model.name else model.url
     same = {"model_sha256": model.sha256, "survey": survey, "survey_version": info.version, "output": opts.output,
             "parts": len(rows), "shape": shape, "bricks": bricks,
-            **{k: settings[k] for k in ("overlap", "mirror", "layout", "segy")}}
+            **{k: settings[k] for k in ("overlap", "mirror", "layout", "segy")},
+            **({"threshold": threshold} if opts.output == "classes" and model.channels == 1 else {})}
     identity = hashlib.sha256(json.dumps(same, sort_keys=True).encode()).hexdigest()[:16]
     staged = store.staged_plan(out)
     if staged is not None:
         if staged.identity != identity:
             raise SFMError(f"--out {out} holds an unfinished prediction with other settings (model, survey, output, "
-                           "overlap, mirroring, layout, SEG-Y or parts); rerun with those, or remove it first")
+                           "overlap, mirroring, threshold, layout, SEG-Y or parts); rerun with those, or remove it "
+                           "first")
         return staged
     if settings["segy"] and storage.exists(settings["segy"]):
         raise SFMError(f"--segy {settings['segy']} already exists; choose another file, or remove it first")
@@ -182,7 +188,8 @@ def run_part(plan: PredictionPlan, part: int, device: str = "auto", progress: bo
     starts = grid.axes[0].reaching(lo, hi)
     band = InlineBand(surveys, data, stop=starts[-1] + crop[0])
     blender = SlabBlender(surveys[0].shape, plan.bricks[0], model.channels, (lo, hi))
-    writer = RowWriter(plan.group().shards(plan.variable), plan.variable, surveys[0].trace_mask, plan.shards)
+    writer = RowWriter(plan.group().shards(plan.variable), plan.variable, surveys[0].trace_mask, plan.shards,
+                       plan.settings.get("threshold", DEFAULT_THRESHOLD))
     views = mirrorings(crop) if plan.settings["mirror"] else [IDENTITY]
     try:
         label = f"predict part {part + 1}/{len(plan.rows)}" if progress else ""

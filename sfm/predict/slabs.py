@@ -172,18 +172,19 @@ class RowWriter:
     """Converts finished output brick rows [C, rows, XL, NS] and writes their shards; keeps their statistics
     over the live traces."""
 
-    def __init__(self, shards, variable: str, mask: np.ndarray, shard_shape: tuple[int, ...]):
-        self.shards, self.variable, self.mask = shards, variable, mask
+    def __init__(self, shards, variable: str, mask: np.ndarray, shard_shape: tuple[int, ...], threshold: float = 0.5):
+        self.shards, self.variable, self.mask, self.threshold = shards, variable, mask, threshold
         self.shard_shape = shard_shape
         self.moments = Moments()
         self.class_counts: np.ndarray | None = None
 
     def values(self, row: int, acc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The row as stored, [rows, XL, NS] (or [rows, XL, NS, C]): probabilities, or classes as uint8; 0 at
-        dead traces. Also its live traces [rows, XL] bool."""
+        """The row as stored, [rows, XL, NS] (or [rows, XL, NS, C]): probabilities, or classes as uint8 (one
+        channel: 1 where the probability reaches ``threshold``; several: the most probable); 0 at dead traces. Also
+        its live traces [rows, XL] bool."""
         channels = acc.shape[0]
         if self.variable == "classes":
-            out = (acc[0] >= 0.5) if channels == 1 else acc.argmax(axis=0)
+            out = (acc[0] >= self.threshold) if channels == 1 else acc.argmax(axis=0)
             out = out.astype(np.uint8)
         else:
             out = acc[0] if channels == 1 else np.moveaxis(acc, 0, -1)

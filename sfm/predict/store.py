@@ -211,7 +211,8 @@ def root_attributes(plan: PredictionPlan, survey_attrs: dict, model: dict) -> di
             "variable": plan.variable, "shape": list(plan.shape), "sample_axis": plan.settings["axis"],
             "survey": {"store_url": plan.survey, "name": name,
                        **{k: survey_attrs[k] for k in keep if k in survey_attrs}},
-            "model": model, "prediction": {k: plan.settings[k] for k in ("overlap", "mirror", "crop", "channels")},
+            "model": model, "prediction": {k: plan.settings[k] for k in ("overlap", "mirror", "crop", "channels",
+                                                                         "threshold") if k in plan.settings},
             "store": {"bricks": list(plan.bricks), "shards": list(plan.shards), "shard_index": "start",
                       "dtype": str(_dtype(plan.variable))}}
 

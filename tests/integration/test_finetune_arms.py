@@ -133,6 +133,31 @@ def test_the_registered_held_out_score_is_the_score_of_what_sfm_predict_writes(c
         assert again[key] == pytest.approx(metrics[key], abs=1e-5), key
 
 
+def test_classes_of_a_binary_model_are_picked_at_the_threshold_its_f1_was_scored_at(compared, tmp_path):
+    """The registered model records the threshold its held-out F1 used (chosen on the validation labels), and
+    ``sfm predict --output classes`` marks faults from it, not from 0.5 (class-balanced training puts most of a
+    fault block above 0.5); ``--threshold`` overrides it; the store says which it used."""
+    import zarr
+
+    home, root, metrics = compared["home"], compared["root"], compared["record"]["metrics"]
+    folder = registry.RegisteredModel(root, "sfm-faults").folder(1)
+    assert json.loads(folder["config.json"])["predict"]["threshold"] == metrics["threshold"]
+    held = next(p for p in compared["pairs"] if p["role"] == "test")
+    common = ["--model", "sfm-faults", "--survey", held["survey_id"], "--data-root", root]
+    outputs = {}
+    for name, extra in (("probability", []), ("classes", ["--output", "classes"]),
+                        ("classes-0.5", ["--output", "classes", "--threshold", "0.5"])):
+        proc = sfm("predict", *common, "--out", str(tmp_path / name), *extra, cwd=home)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        group = zarr.open_group(str(tmp_path / name), mode="r")
+        outputs[name] = (np.asarray(group[name.split("-")[0]][...]), group.attrs["prediction"])
+    probability = outputs["probability"][0]
+    for name, threshold in (("classes", metrics["threshold"]), ("classes-0.5", 0.5)):
+        classes, attrs = outputs[name]
+        assert attrs["threshold"] == pytest.approx(threshold)
+        assert np.array_equal(classes, (probability >= threshold).astype(np.uint8)), name
+
+
 def test_sfm_predict_ingests_a_segy_it_has_not_seen_and_writes_the_prediction(compared, tmp_path):
     from sfm.formats import manifest
     from sfm.synth.survey import synth_survey
