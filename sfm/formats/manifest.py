@@ -87,12 +87,15 @@ def _read_row(url: str, contract: str) -> dict[str, Any] | None:
 def decode_row(data: bytes) -> dict[str, Any]:
     """The first row of the parquet object ``data``, as a dict.
 
-    Arrow's thread pools stay off: a process that read parquet with them aborts at random as it exits
-    ("terminate called without an active exception", apache/arrow#34314), which failed finished ingests.
+    Arrow's thread pools stay off, and the bytes reach it as an Arrow buffer, not a Python file object: a process
+    that read parquet with pool threads, or through a Python file (whose reads take the GIL from Arrow's threads),
+    aborts at random as it exits ("terminate called without an active exception", apache/arrow#34314, #50482),
+    which failed finished ingests.
     """
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return pq.read_table(io.BytesIO(data), use_threads=False, pre_buffer=False).to_pylist()[0]
+    return pq.read_table(pa.BufferReader(data), use_threads=False, pre_buffer=False).to_pylist()[0]
 
 
 def publish_or_get(data_root: str, row: dict[str, Any]) -> tuple[dict[str, Any], bool]:
