@@ -109,7 +109,8 @@ def main() -> None:
     for name, rows in probes.items():
         out[name] = {"probe_cpu_s_per_fit": float(np.mean([r["cpu_s"] for r in rows])),
                      "probe_objective": float(np.mean([r["objective"] for r in rows])),
-                     "probe_ap": float(np.mean([r["ap"] for r in rows])), "probe_f1": float(np.mean([r["f1"] for r in rows])),
+                     "probe_ap": float(np.mean([r["ap"] for r in rows])),
+                     "probe_f1": float(np.mean([r["f1"] for r in rows])),
                      "probes": rows}
     out["probe_speedup"] = out["adamw_300"]["probe_cpu_s_per_fit"] / out["lbfgs"]["probe_cpu_s_per_fit"]
     if not args.skip_evaluation:

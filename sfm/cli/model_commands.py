@@ -173,7 +173,7 @@ def add_commands(sub) -> None:
                    "none)")
     p.add_argument("--threshold", type=float, help="--output classes of a binary task: class 1 where its "
                    "probability reaches this (default: the config's, else the threshold the task model's F1 was scored "
-                   "at, chosen on its validation labels; 0.5 for a model that records none)")
+                   "at, chosen on its validation labels where it had any; 0.5 for a model that records none)")
     p.add_argument("--batch-size", type=int, help="windows per network call (default: the config's, "
                    f"{PredictConfig.batch_size})")
     p.add_argument("--device", type=device, metavar="{" + ",".join(DEVICES) + "}",

@@ -23,8 +23,8 @@ validation labels prefer, as MAE tunes its from-scratch baselines apart: at the 
 a random one is under-trained in a short fine-tuning, and the gain would flatter pretraining.
 
 Frozen probes, with no hand-made features: the same linear head fitted to its optimum on the frozen
-encoder's tokens (:func:`train_linear_head`, also the LP-FT start), and k-nearest neighbours (each test token's voxels get the mean label patch of its most
-similar training tokens, cosine similarity).
+encoder's tokens (:func:`train_linear_head`, also the LP-FT start), and k-nearest neighbours (each test
+token's voxels get the mean label patch of its most similar training tokens, cosine similarity).
 
 Early stopping, the same for both initialisations: the network keeps the weights of the step (every
 ``validate_every``) with the best AP on validation labels, so each initialisation stops where it is

@@ -232,7 +232,7 @@ class Segmenter(nn.Module, HubFolder):
                    if self.reads_decoder or not k.startswith(DECODER_KEYS)}
         config = {**(meta or {}), "model": self.mae.cfg.to_dict() if self.mae is not None else None,
                   "crop": list(self.crop), "task": self.task.to_dict()}
-        return {WEIGHTS: save(tensors), CONFIG: json.dumps(config, indent=2, sort_keys=True).encode()}
+        return {WEIGHTS: save(tensors), CONFIG: config_bytes(config)}
 
     @classmethod
     def from_folder_files(cls, config: bytes, weights: bytes, where: str) -> Segmenter:
@@ -245,6 +245,11 @@ class Segmenter(nn.Module, HubFolder):
 
 
 # ---- export --------------------------------------------------------------------------------------
+
+
+def config_bytes(config: dict) -> bytes:
+    """A task model's config.json as every writer of one encodes it."""
+    return json.dumps(config, indent=2, sort_keys=True).encode()
 
 
 def save_segmenter(net: Segmenter, url: str, meta: dict | None = None) -> None:
@@ -265,7 +270,7 @@ def record_predict_settings(url: str, **settings) -> None:
 
     meta = json.loads(storage.read_bytes(storage.join(url, CONFIG)))
     meta["predict"] = {**meta.get("predict", {}), **settings}
-    storage.write_bytes(storage.join(url, CONFIG), json.dumps(meta, indent=2, sort_keys=True).encode())
+    storage.write_bytes(storage.join(url, CONFIG), config_bytes(meta))
 
 
 def segmenter_from_files(config: bytes, weights: bytes, where: str) -> Segmenter:

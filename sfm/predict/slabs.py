@@ -172,7 +172,7 @@ class RowWriter:
     """Converts finished output brick rows [C, rows, XL, NS] and writes their shards; keeps their statistics
     over the live traces."""
 
-    def __init__(self, shards, variable: str, mask: np.ndarray, shard_shape: tuple[int, ...], threshold: float = 0.5):
+    def __init__(self, shards, variable: str, mask: np.ndarray, shard_shape: tuple[int, ...], threshold: float):
         self.shards, self.variable, self.mask, self.threshold = shards, variable, mask, threshold
         self.shard_shape = shard_shape
         self.moments = Moments()
