@@ -120,7 +120,8 @@ def main() -> None:
     parser.add_argument("--validation", type=int, default=4, help="separate validation surveys (rates, early stopping)")
     parser.add_argument("--test", type=int, default=4, help="held-out test surveys")
     parser.add_argument("--shape", type=int, nargs=3, default=[64, 64, 64], help="each generated survey's IL XL NS")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); recorded as "
+                        "torch_threads, as figures repeat to the digit only at the same count")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override, e.g. finetune.head=unetr (repeatable)")
     parser.add_argument("--png", help="where the picture of one predicted line per arm goes (default: the workdir)")
@@ -201,6 +202,7 @@ def main() -> None:
                     "more_labels_help": more_labels, "all": all(margins_hold.values()) and all(more_labels.values())}
     out["png"] = str(png)
     out["seconds"] = time.perf_counter() - t0
+    out["torch_threads"] = torch.get_num_threads()  # as the runs left it: convolutions sum in a thread-dependent order
     print(json.dumps(out))
 
 
