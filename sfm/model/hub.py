@@ -14,6 +14,7 @@ a local folder loads with torch alone, offline (``HF_HUB_OFFLINE=1``).
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -24,6 +25,11 @@ from sfm.errors import SFMError
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 CARD = "README.md"
+
+
+def config_bytes(config: dict[str, Any]) -> bytes:
+    """A model folder's config.json, as every writer of one encodes it."""
+    return json.dumps(config, indent=2, sort_keys=True).encode()
 
 
 class HubFolder:

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from sfm.errors import SFMError
 
 from .blocks import Block, Int3, PatchEmbed3D
-from .hub import CONFIG, WEIGHTS, HubFolder
+from .hub import CONFIG, WEIGHTS, HubFolder, config_bytes
 
 TUBE_AXES = ("", "inline", "crossline", "sample")  # MAEConfig.mask_tube: "" or the axis a masked column runs along
 
@@ -404,7 +404,7 @@ class MaskedAutoencoder3D(nn.Module, HubFolder):
 
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         config = {"model": self.cfg.to_dict(), **(meta or {})}
-        return {WEIGHTS: save(tensors), CONFIG: json.dumps(config, indent=2, sort_keys=True).encode()}
+        return {WEIGHTS: save(tensors), CONFIG: config_bytes(config)}
 
     @classmethod
     def from_folder_files(cls, config: bytes, weights: bytes, where: str) -> MaskedAutoencoder3D:

@@ -38,7 +38,7 @@ from torch import nn
 from sfm.config import LABEL_IGNORE
 from sfm.errors import SFMError
 
-from .hub import CONFIG, WEIGHTS, HubFolder
+from .hub import CONFIG, WEIGHTS, HubFolder, config_bytes
 from .mae import MAEConfig, MaskedAutoencoder3D
 from .unet import UNet3D
 
@@ -245,11 +245,6 @@ class Segmenter(nn.Module, HubFolder):
 
 
 # ---- export --------------------------------------------------------------------------------------
-
-
-def config_bytes(config: dict) -> bytes:
-    """A task model's config.json as every writer of one encodes it."""
-    return json.dumps(config, indent=2, sort_keys=True).encode()
 
 
 def save_segmenter(net: Segmenter, url: str, meta: dict | None = None) -> None:
