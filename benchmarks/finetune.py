@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--workdir", help="where the runs keep their data (default: a temporary folder)")
     parser.add_argument("--budgets", default="1,4", help="labelled training surveys per run")
     parser.add_argument("--seeds", type=int, default=3, help="paired seeds per budget")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first paired seed (a later process can run "
+                        "seeds the first did not)")
     parser.add_argument("--pool", type=int, default=8, help="labelled surveys the budgets draw from")
     parser.add_argument("--validation", type=int, default=4, help="separate validation surveys (rates, early stopping)")
     parser.add_argument("--test", type=int, default=4, help="held-out test surveys")
@@ -171,7 +173,7 @@ def main() -> None:
     picture = None
     for budget in budgets:
         per_seed: dict = {}
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             cfg.set("finetune.seed", seed)
             pairs = {"train": budget_volumes(pool, budget, seed), **fixed}
             metrics, figures, summary = compare(cfg, encoder, pairs, str(workdir / "data"),
@@ -185,7 +187,7 @@ def main() -> None:
                 f"{arm} AP {a['ap']:.4f} F1 {a['f1']:.4f} F1tol2 {a['f1_tol2']:.4f} (lr {a['lr']:g}, step "
                 f"{a['chosen_step']}/{a['steps_run']}, {a['seconds']:.0f}s)" for arm, a in arms.items())
                 + "; " + ", ".join(f"{k} {v:+.4f}" for k, v in margins.items()), file=sys.stderr, flush=True)
-            if budget == max(budgets) and seed == 0:
+            if budget == max(budgets) and seed == args.first_seed:
                 picture = figures
         mean = {arm: {k: float(np.mean([s["arms"][arm][k] for s in per_seed.values()])) for k in ("ap", "f1",
                                                                                                   "f1_tol2", "iou")}
