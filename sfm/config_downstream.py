@@ -36,8 +36,9 @@ class FinetuneConfig:
     validation: float = 0.25  # early stopping on this fraction of the training labelled lines (0: none); without it
     # a run keeps its last step and the first rate of its grid
     held_out: float = 0.2  # without --held-out surveys: this fraction of the labelled lines is held out to score
-    head: str = "linear"  # a head of sfm.model.segmenter.HEADS: linear (per token), unetr (light decoder over
-    # several blocks; BENCHMARKS.md "Fine-tuning"); --encoder unet always takes the U-Net
+    head: str = "unetr"  # a head of sfm.model.segmenter.HEADS: unetr (a light decoder over several blocks with a
+    # full-resolution path: per-voxel probabilities), linear (per token: patch-sized blocks; BENCHMARKS.md
+    # "Fine-tuning"); --encoder unet always takes the U-Net
     head_width: int = 16  # the unetr decoder's channels
     overlap: float = 0.5  # predictions (early stopping, held-out scores, and sfm predict's default for the model):
     # neighbouring windows overlap by this fraction of a crop, Gaussian-weighted
@@ -69,8 +70,11 @@ LABELLED_VOLUME = 64 ** 3  # voxels of labels that count as one labelled volume 
 
 def quick_recipe() -> FinetuneConfig:
     """The pretrain evaluation's default recipe (``[eval.finetune]``): it runs in every pretraining run, so it is a
-    quick check, 60 steps at one rate per arm; sfm/configs/quality_cpu.toml sets a full one."""
-    return FinetuneConfig(steps=60, lrs=(1e-3,), lrs_random=(1e-3,), lrs_unet=(1e-3,), max_minutes=0.0)
+    quick check, 60 steps at one rate per arm; sfm/configs/quality_cpu.toml sets a full one. Its head is the linear
+    one: what the encoder's tokens hold is what an encoder's evaluation measures (a full-resolution path would
+    learn from the amplitude whatever the encoder)."""
+    return FinetuneConfig(steps=60, lrs=(1e-3,), lrs_random=(1e-3,), lrs_unet=(1e-3,), max_minutes=0.0,
+                          head="linear")
 
 
 @dataclass

@@ -78,7 +78,7 @@ def test_the_arms_are_built_alike_and_fine_tuned_on_the_same_crops(compared):
     assert [r["probe_steps"] for r in summary["runs"]] == [2, 2, 0, 0]  # LP-FT for an encoder; the U-Net whole
     nets = {k["arm"]: registry_net(k["model_url"]) for k in summary["kept"]}
     assert nets["unet"].mae is None and nets["unet"].task.head == "unet" and nets["unet"].crop == unet.crop
-    assert nets["random"].task.head == nets["pretrained"].task.head == "linear"
+    assert nets["random"].task.head == nets["pretrained"].task.head == compared["cfg"].finetune.head == "unetr"
     best = max(summary["kept"], key=lambda k: k["validation_score"])
     assert summary["model_url"] == best["model_url"]  # registered: the best on the validation labels
 

@@ -161,6 +161,7 @@ def test_the_evaluations_recipe_is_a_nested_table_and_configs_written_before_rea
     cfg = JobConfig.from_toml(path, ["eval.finetune.mirror=true"])
     assert (cfg.eval.finetune.steps, cfg.eval.finetune.lrs, cfg.eval.finetune.mirror) == (7, (0.01,), True)
     assert cfg.finetune.steps == 0 and cfg.finetune.lrs == (1e-3, 3e-3)  # the fine-tune flow's own recipe
+    assert (cfg.finetune.head, cfg.eval.finetune.head) == ("unetr", "linear")  # a model's voxels; an encoder's tokens
     assert JobConfig.from_dict(tomllib.loads(cfg.to_toml())).to_dict() == cfg.to_dict()
     with pytest.raises(SFMError, match=r"'eval.finetune' is a table"):
         cfg.set("eval.finetune", 3)
